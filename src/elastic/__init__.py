@@ -1,0 +1,54 @@
+"""elastic-state: the training state of elastic data-parallel PyTorch jobs.
+
+Decorate an attrs class with `@elastic_state(tenure=...)`; `sync`, `save` and `load` elect the most
+tenured state in the group and give it to every rank.
+"""
+
+from ._checkpoint import LoadReport, load, save
+from ._decorator import elastic_state
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    DivergenceError,
+    ElasticError,
+    StateMismatchError,
+    SyncError,
+    TenureError,
+    UntrustedCheckpointError,
+    WorkerError,
+)
+from ._fields import field, local
+from ._process_group import init_process_group
+from ._spawn import spawn
+from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
+from ._verify import verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "DivergenceError",
+    "ElasticError",
+    "LoadReport",
+    "StateMismatchError",
+    "SyncError",
+    "SyncReport",
+    "TenureError",
+    "UntrustedCheckpointError",
+    "WorkerError",
+    "broadcast_state",
+    "elastic_state",
+    "field",
+    "init_process_group",
+    "load",
+    "local",
+    "most_tenured_rank",
+    "save",
+    "spawn",
+    "sync",
+    "tenure",
+    "verify",
+]

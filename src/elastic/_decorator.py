@@ -1,0 +1,267 @@
+"""`@elastic_state`: the class decorator, its per-class configuration and the per-instance lineage."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import attrs
+
+from ._fields import policy_of
+
+__all__ = [
+    "CONFIG_ATTR",
+    "StateConfig",
+    "config_of",
+    "elastic_state",
+    "is_elastic_state",
+    "lineage",
+    "set_lineage",
+    "synced_fields",
+    "saved_fields",
+]
+
+C = TypeVar("C", bound=type)
+
+#: The class attribute holding a decorated class's `StateConfig`.
+CONFIG_ATTR = "__elastic_state__"
+
+_MISSING: Any = object()
+
+
+@attrs.frozen
+class StateConfig:
+    """What `@elastic_state(...)` was given, checked."""
+
+    tenure: Callable[[Any], Any]
+    tenure_field: str | None
+    on_sync: Callable[[Any, Any], Any] | None
+
+
+def elastic_state(
+    *args: Any,
+    tenure: Callable[[Any], Any] | str = _MISSING,
+    on_sync: Callable[[Any, Any], Any] | None = None,
+) -> Callable[[C], C]:
+    """Make an attrs class an elastic training state.
+
+    `tenure` says how up to date a state is: a callable `tenure(state) -> orderable | None` or the name of
+    a field. The most tenured state wins every election; `None` means "I hold no state". `on_sync(state,
+    report)` runs on every rank after each successful `sync` or `load`.
+
+    Put it above `@attrs.define` / `@attrs.frozen`; on a plain annotated class it applies `attrs.define`
+    itself. It adds `sync`, `save`, `load`, `state_dict` and `load_state_dict` unless the class already has
+    them.
+    """
+    if args:
+        msg = (
+            f"elastic_state takes keyword arguments only, got positional {args[0]!r}; "
+            "write @elastic_state(tenure=lambda s: s.step) or @elastic_state(tenure='step')"
+        )
+        raise TypeError(msg) from None
+    if tenure is _MISSING:
+        msg = "elastic_state() needs tenure=: a callable state -> orderable, or a field name such as 'step'"
+        raise TypeError(msg) from None
+    if not (callable(tenure) or isinstance(tenure, str)):
+        msg = (
+            f"elastic_state(tenure=...) must be a callable or a field name, got {type(tenure).__name__} "
+            f"{tenure!r}; write tenure=lambda s: s.step or tenure='step'"
+        )
+        raise TypeError(msg) from None
+    if callable(tenure) and not isinstance(tenure, str):
+        _check_arity(tenure, "tenure", 1)
+    if on_sync is not None:
+        if not callable(on_sync):
+            msg = f"elastic_state(on_sync=...) must be callable as on_sync(state, report), got {on_sync!r}"
+            raise TypeError(msg) from None
+        _check_arity(on_sync, "on_sync", 2)
+
+    def wrap(cls: C) -> C:
+        return _build(cls, tenure, on_sync)
+
+    return wrap
+
+
+def _check_arity(fn: Callable[..., Any], name: str, n: int) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and C callables: nothing to check
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        call = "tenure(state)" if n == 1 else "on_sync(state, report)"
+        msg = f"elastic_state({name}=...) must accept {n} positional argument(s) as {call}; got {fn!r}{sig}"
+        raise TypeError(msg) from None
+
+
+def _build(cls: Any, tenure: Callable[[Any], Any] | str, on_sync: Callable[..., Any] | None) -> Any:
+    if not isinstance(cls, type):
+        msg = f"@elastic_state decorates classes, got {type(cls).__name__} {cls!r}"
+        raise TypeError(msg) from None
+    if not attrs.has(cls):
+        try:
+            cls = attrs.define(cls)
+        except Exception as exc:
+            msg = (
+                f"@elastic_state could not make {cls.__qualname__} an attrs class ({type(exc).__name__}: "
+                f"{exc}); decorate it with @attrs.define yourself and fix what attrs reports"
+            )
+            raise TypeError(msg) from None
+    names = [a.name for a in attrs.fields(cls)]
+    if isinstance(tenure, str):
+        if tenure not in names:
+            msg = (
+                f"elastic_state(tenure={tenure!r}) names no field of {cls.__qualname__}; "
+                f"its fields are {names}"
+            )
+            raise TypeError(msg) from None
+        tenure_fn: Callable[[Any], Any] = _field_getter(tenure)
+        tenure_field: str | None = tenure
+    else:
+        tenure_fn, tenure_field = tenure, None
+    setattr(cls, CONFIG_ATTR, StateConfig(tenure=tenure_fn, tenure_field=tenure_field, on_sync=on_sync))
+    for name, method in _methods().items():
+        if not hasattr(cls, name):
+            _attach(cls, name, method)
+    return cls
+
+
+def _field_getter(name: str) -> Callable[[Any], Any]:
+    def tenure_of(state: Any) -> Any:
+        return getattr(state, name)
+
+    tenure_of.__qualname__ = f"tenure_of_{name}"
+    return tenure_of
+
+
+def _attach(cls: type, name: str, method: Callable[..., Any]) -> None:
+    def make() -> Callable[..., Any]:
+        def generated(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return method(self, *args, **kwargs)
+
+        return generated
+
+    fn = make()
+    fn.__name__ = name
+    fn.__qualname__ = f"{cls.__qualname__}.{name}"
+    fn.__module__ = cls.__module__
+    fn.__doc__ = method.__doc__
+    fn.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    fn.__wrapped__ = method  # type: ignore[attr-defined]
+    setattr(cls, name, fn)
+
+
+def _methods() -> dict[str, Callable[..., Any]]:
+    from . import _checkpoint, _sync  # the decorator is imported first; these import it
+
+    return {
+        "sync": _sync.sync_method,
+        "save": _checkpoint.save_method,
+        "load": _checkpoint.load_method,
+        "state_dict": _checkpoint.state_dict_method,
+        "load_state_dict": _checkpoint.load_state_dict_method,
+    }
+
+
+def is_elastic_state(obj: Any) -> bool:
+    """Whether `obj` is an instance of an `@elastic_state` class."""
+    return isinstance(getattr(type(obj), CONFIG_ATTR, None), StateConfig) and not isinstance(obj, type)
+
+
+def config_of(state: Any, what: str = "this call") -> StateConfig:
+    """The `StateConfig` of a state instance, or a `TypeError` that says how to fix the call."""
+    config = getattr(type(state), CONFIG_ATTR, None)
+    if not isinstance(config, StateConfig) or isinstance(state, type):
+        msg = (
+            f"{what} needs an instance of an @elastic_state class, got {type(state).__qualname__} "
+            f"{_short(state)}; decorate the class with @elastic_state(tenure=...) and pass an instance"
+        )
+        raise TypeError(msg) from None
+    return config
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def synced_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
+    """The attrs fields of `cls` that `sync` moves, in definition order."""
+    return [a for a in attrs.fields(cls) if policy_of(a).sync]
+
+
+def saved_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
+    """The attrs fields of `cls` that checkpoints hold, in definition order."""
+    return [a for a in attrs.fields(cls) if policy_of(a).save]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lineage: the id of the last successful sync or load a state took part in, and whether it is torn.
+# Kept outside the instance (a weak registry) so that frozen and slotted classes need no extra slot and a
+# copied or pickled state never carries a lineage it did not earn.
+
+
+@attrs.frozen
+class Lineage:
+    token: str | None = None
+    torn: bool = False
+
+
+_FRESH = Lineage()
+_lock = threading.Lock()
+_registry: dict[int, tuple[Callable[[], Any], Lineage]] = {}
+
+
+def lineage(state: Any) -> Lineage:
+    """The lineage of `state` (fresh for a state that never synced)."""
+    with _lock:
+        entry = _registry.get(id(state))
+    if entry is None or entry[0]() is not state:
+        return _FRESH
+    return entry[1]
+
+
+def set_lineage(state: Any, *, token: str | None, torn: bool) -> None:
+    """Record the lineage of `state`.
+
+    A state that cannot be weakly referenced (a slotted class with `weakref_slot=False`) never gets a
+    token, so it always takes the full sync; its torn mark is kept with a strong reference.
+    """
+    key = id(state)
+    getter: Callable[[], Any]
+    try:
+        getter = weakref.ref(state, lambda r, key=key: _drop(key, r))
+    except TypeError:
+        token = None
+        if not torn:
+            with _lock:
+                _registry.pop(key, None)
+            return
+
+        def getter(state: Any = state) -> Any:
+            return state
+
+    with _lock:
+        _registry[key] = (getter, Lineage(token=token, torn=torn))
+
+
+def _drop(key: int, ref: Any) -> None:
+    with _lock:
+        entry = _registry.get(key)
+        if entry is not None and entry[0] is ref:
+            del _registry[key]
+
+
+def as_timedelta(timeout: timedelta | float | None, what: str) -> timedelta | None:
+    """`None`, seconds or a `timedelta`, as a `timedelta`; anything else is a `TypeError`."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=float(timeout))
+    msg = f"{what}(timeout=...) must be a timedelta or a positive number of seconds, got {timeout!r}"
+    raise TypeError(msg) from None

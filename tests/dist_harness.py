@@ -1,0 +1,120 @@
+"""Run a function on N real gloo ranks in fresh processes and bring back results or tracebacks.
+
+Like torchsnapshot's test decorator: each rank is a spawned interpreter with the default process group
+initialised (gloo over loopback, a fresh port per call); the function travels with cloudpickle, so
+closures and lambdas defined in a test work.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import cloudpickle
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(payload: bytes, rank: int, world: int, port: int, queue: Any, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    try:
+        fn, args, env = cloudpickle.loads(payload)
+        os.environ.update(env.get(rank, {}) if isinstance(env, dict) else {})
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", cloudpickle.dumps(result)))
+    except BaseException as exc:  # report everything, including SystemExit from a test body
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        queue.close()
+        queue.join_thread()  # flush the result before the hard exit below
+    os._exit(0)
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    timeout: float = 90.0,
+    pg_timeout: float = 30.0,
+    env: dict[int, dict[str, str]] | None = None,
+    allow_exit: bool = False,
+) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` gloo ranks; results in rank order.
+
+    A rank that raises makes this raise `RankFailure` with every failing rank's traceback. With
+    `allow_exit`, a rank that exits without reporting (a simulated crash) yields `None` as its result.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    payload = cloudpickle.dumps((fn, args, env or {}))
+    procs = [ctx.Process(target=_worker, args=(payload, r, world, port, queue, pg_timeout)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, status, data = queue.get(timeout=0.2)
+            except Exception:
+                if all(not p.is_alive() for p in procs):
+                    # every process ended: drain what is left, then stop waiting
+                    time.sleep(0.2)
+                    while not queue.empty():
+                        rank, status, data = queue.get()
+                        (results if status == "ok" else errors)[rank] = (
+                            cloudpickle.loads(data) if status == "ok" else data
+                        )
+                    break
+                continue
+            if status == "ok":
+                results[rank] = cloudpickle.loads(data)
+            else:
+                errors[rank] = data
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(errors.items()))
+        raise RankFailure(f"{len(errors)} rank(s) failed:\n{text}")
+    missing = [r for r in range(world) if r not in results]
+    if missing and not allow_exit:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RankFailure(f"ranks {missing} reported nothing (exit codes {codes}) within {timeout}s")
+    return [results.get(r) for r in range(world)]
