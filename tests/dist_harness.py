@@ -78,7 +78,9 @@ def run_on_ranks(
     queue = ctx.Queue()
     port = free_port()
     payload = cloudpickle.dumps((fn, args, env or {}))
-    procs = [ctx.Process(target=_worker, args=(payload, r, world, port, queue, pg_timeout)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(payload, r, world, port, queue, pg_timeout)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -155,7 +155,11 @@ class Comm:
         n = int(size.item())
         if self.rank == src:
             assert data is not None
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
             buf = buf.to(self.device)
         else:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)

@@ -190,12 +190,12 @@ def _short(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def synced_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
+def synced_fields(cls: type) -> list[attrs.Attribute]:
     """The attrs fields of `cls` that `sync` moves, in definition order."""
     return [a for a in attrs.fields(cls) if policy_of(a).sync]
 
 
-def saved_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
+def saved_fields(cls: type) -> list[attrs.Attribute]:
     """The attrs fields of `cls` that checkpoints hold, in definition order."""
     return [a for a in attrs.fields(cls) if policy_of(a).save]
 
@@ -234,8 +234,12 @@ def set_lineage(state: Any, *, token: str | None, torn: bool) -> None:
     """
     key = id(state)
     getter: Callable[[], Any]
+
+    def gone(ref: Any) -> None:
+        _drop(key, ref)
+
     try:
-        getter = weakref.ref(state, lambda r, key=key: _drop(key, r))
+        getter = weakref.ref(state, gone)
     except TypeError:
         token = None
         if not torn:

@@ -43,7 +43,7 @@ def local(**attrs_kwargs: Any) -> Any:
     return field(sync=False, save=False, **attrs_kwargs)
 
 
-def policy_of(attribute: attrs.Attribute) -> FieldPolicy:  # type: ignore[type-arg]
+def policy_of(attribute: attrs.Attribute) -> FieldPolicy:
     """The policy of one attrs attribute; plain attrs fields are synced and saved."""
     policy = attribute.metadata.get(POLICY_KEY, _DEFAULT)
     return policy if isinstance(policy, FieldPolicy) else _DEFAULT

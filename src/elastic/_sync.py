@@ -26,8 +26,8 @@ from ._tree import (
     compatible,
     field_digests,
     flatten,
+    receive_targets,
     schema_of,
-    tensor_index,
 )
 
 __all__ = [
@@ -120,7 +120,10 @@ def _check_errors(records: Sequence[Record], op: str) -> None:
             continue
         kind, text = rec.error
         if kind == "tenure":
-            msg = f"{op}: on rank {rank} the {text}; fix the tenure callable so it returns an orderable value or None"
+            msg = (
+                f"{op}: on rank {rank} the {text}; fix the tenure callable so that it returns an "
+                "orderable value or None"
+            )
             raise TenureError(msg) from None
         msg = f"{op}: rank {rank} could not prepare its state: {text}"
         raise SyncError(msg, phase="prepare") from None
@@ -141,6 +144,7 @@ def _check_src(records: Sequence[Record], world: int, op: str) -> int | None:
 
 def _check_schemas(comm: Comm, records: Sequence[Record], state: Any, op: str) -> None:
     first = records[0].schema
+    assert first is not None  # every record without an error carries a schema
     same = all(
         rec.schema[0] == first[0]
         and len(rec.schema[1]) == len(first[1])
@@ -150,7 +154,9 @@ def _check_schemas(comm: Comm, records: Sequence[Record], state: Any, op: str) -
     if same:
         return
     # Everyone saw the mismatch: gather the full schemas once more to say exactly what differs.
-    full = [cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(schema_of(state)), "schema")]
+    full = [
+        cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(schema_of(state)), "schema")
+    ]
     raise StateMismatchError(_mismatch_message(full, op)) from None
 
 
@@ -175,7 +181,7 @@ def _mismatch_message(full: Sequence[Any], op: str) -> str:
     for _, fields in full:
         names.extend(n for n, _ in fields if n not in names)
     for name in names:
-        per_rank = [dict(fields).get(name) for _, fields in full]
+        per_rank: list[Any] = [dict(fields).get(name) for _, fields in full]
         groups: dict[str, list[int]] = {}
         for rank, sch in enumerate(per_rank):
             groups.setdefault("missing" if sch is None else repr(sch), []).append(rank)
@@ -249,7 +255,8 @@ def _is_number(x: Any) -> bool:
 def _incomparable(op: str, r1: int, a: Any, r2: int, b: Any) -> TenureError:
     msg = (
         f"{op}: tenures cannot be compared: rank {r1} has {a!r} ({type(a).__name__}) and rank {r2} has "
-        f"{b!r} ({type(b).__name__}); the tenure callable must return values of one orderable type on every rank"
+        f"{b!r} ({type(b).__name__}); the tenure callable must return values of one orderable type "
+        "on every rank"
     )
     return TenureError(msg)
 
@@ -278,7 +285,9 @@ def _unpicklable_fields(skeleton: StateNode) -> str:
             cloudpickle.dumps(node)
         except Exception as exc:
             culprit = _find_unpicklable(node)
-            what = f" ({type(culprit).__module__}.{type(culprit).__qualname__})" if culprit is not None else ""
+            what = (
+                f" ({type(culprit).__module__}.{type(culprit).__qualname__})" if culprit is not None else ""
+            )
             bad.append(f"field {name!r}{what}: {type(exc).__name__}: {exc}")
     return "; ".join(bad) or "the payload"
 
@@ -315,7 +324,9 @@ def run_sync(
     started = time.perf_counter()
     comm = Comm.of(group, deadline, op)
     if comm is None:
-        report = SyncReport(src=0, tenure=tenure(state), world_size=1, tensor_bytes=0, object_bytes=0, seconds=0.0)
+        report = SyncReport(
+            src=0, tenure=tenure(state), world_size=1, tensor_bytes=0, object_bytes=0, seconds=0.0
+        )
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
@@ -367,7 +378,9 @@ def _finish(state: Any, config: StateConfig, report: SyncReport, op: str, notify
         config.on_sync(state, report)
 
 
-def _transfer(state: Any, comm: Comm, src: int, records: Sequence[Record], op: str, started: float) -> SyncReport:
+def _transfer(
+    state: Any, comm: Comm, src: int, records: Sequence[Record], op: str, started: float
+) -> SyncReport:
     rank = comm.rank
     errors: list[str] = []
 
@@ -388,7 +401,10 @@ def _transfer(state: Any, comm: Comm, src: int, records: Sequence[Record], op: s
             try:
                 data = cloudpickle.dumps(payload)
             except Exception:
-                msg = f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value picklable or mark the field elastic.local()"
+                msg = (
+                    f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
+                    "picklable or mark the field elastic.local()"
+                )
                 data = cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
         except Exception as exc:
             msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
@@ -404,21 +420,13 @@ def _transfer(state: Any, comm: Comm, src: int, records: Sequence[Record], op: s
         assert flat is not None
         send_tensors(comm, src, flat.tensors, payload.direct, payload.metas, on_error)
     else:
-        targets: list[torch.Tensor] = []
-        in_place: list[bool] = []
         try:
-            index = tensor_index(state, "sync")
-            for meta in payload.metas:
-                mine = index.get(meta.path)
-                if mine is not None and _fits(mine, meta):
-                    targets.append(mine)
-                    in_place.append(True)
-                else:
-                    targets.append(torch.empty(meta.shape, dtype=meta.dtype, device=_device_for(meta, comm)))
-                    in_place.append(False)
+            targets, in_place = receive_targets(state, payload.metas, "sync", lambda m: _device_for(m, comm))
         except Exception as exc:
             on_error(exc)
-            targets = [torch.empty(m.shape, dtype=m.dtype, device=_device_for(m, comm)) for m in payload.metas]
+            targets = [
+                torch.empty(m.shape, dtype=m.dtype, device=_device_for(m, comm)) for m in payload.metas
+            ]
             in_place = [False] * len(targets)
         set_lineage(state, token=None, torn=True)  # from the first byte written until commit
         receive_tensors(comm, src, targets, payload.direct, payload.metas, on_error)
@@ -452,10 +460,6 @@ def _transfer(state: Any, comm: Comm, src: int, records: Sequence[Record], op: s
         object_bytes=len(raw),
         seconds=time.perf_counter() - started,
     )
-
-
-def _fits(mine: torch.Tensor, meta: TensorMeta) -> bool:
-    return tuple(mine.shape) == meta.shape and mine.dtype == meta.dtype and mine.device.type == meta.device_type
 
 
 def _device_for(meta: TensorMeta, comm: Comm) -> torch.device:

@@ -31,7 +31,9 @@ __all__ = [
     "flatten",
     "kind_of",
     "materialize",
+    "copy_state",
     "path_str",
+    "receive_targets",
     "schema_of",
     "tensor_index",
 ]
@@ -205,7 +207,9 @@ Leaf = Callable[[torch.Tensor, Path], TensorSlot]
 
 
 def _walk_state(state: Any, path: Path, which: Which, leaf: Leaf) -> StateNode:
-    fields = {name: _walk(getattr(state, name), (*path, name), which, leaf) for name in _fields_of(state, which)}
+    fields = {
+        name: _walk(getattr(state, name), (*path, name), which, leaf) for name in _fields_of(state, which)
+    }
     return StateNode(qualname=type(state).__qualname__, fields=fields)
 
 
@@ -255,7 +259,9 @@ def _only_tensors(node: Any) -> bool:
     return False
 
 
-def materialize(node: Any, current: Any, tensors: list[torch.Tensor], in_place: list[bool], path: Path) -> Any:
+def materialize(
+    node: Any, current: Any, tensors: list[torch.Tensor], in_place: list[bool], path: Path
+) -> Any:
     """The value `node` stands for, built into `current` wherever `current` can take it.
 
     Modules, optimizers and other stateful objects keep their identity and receive `load_state_dict`;
@@ -266,7 +272,8 @@ def materialize(node: Any, current: Any, tensors: list[torch.Tensor], in_place: 
         return tensors[node.index]
     if isinstance(node, StateNode):
         if not is_elastic_state(current) or type(current).__qualname__ != node.qualname:
-            msg = f"{path_str(path)}: expected a nested {node.qualname} state, found {type(current).__qualname__}"
+            found = type(current).__qualname__
+            msg = f"{path_str(path)}: expected a nested {node.qualname} state, found {found}"
             raise TypeError(msg)
         apply_fields(current, node, tensors, in_place, path)
         return current
@@ -274,14 +281,18 @@ def materialize(node: Any, current: Any, tensors: list[torch.Tensor], in_place: 
         if kind_of(current) != node.kind:
             msg = f"{path_str(path)}: expected a {node.kind}, found {type(current).__qualname__}"
             raise TypeError(msg)
-        if node.kind == "module" and _only_tensors(node.inner) and all(in_place[i] for i in slots_in(node.inner)):
+        if (
+            node.kind == "module"
+            and _only_tensors(node.inner)
+            and all(in_place[i] for i in slots_in(node.inner))
+        ):
             return current  # every parameter and buffer was written in place
         sd = materialize(node.inner, None, tensors, in_place, path)
         current.load_state_dict(sd)
         return current
     if isinstance(node, ContainerNode):
         if node.kind == "dict":
-            cur = current if type(current) is node.type else None
+            cur: Any = current if type(current) is node.type else None
             values = [
                 materialize(c, cur.get(k) if cur is not None else None, tensors, in_place, (*path, k))
                 for k, c in zip(node.keys, node.children)
@@ -291,7 +302,8 @@ def materialize(node: Any, current: Any, tensors: list[torch.Tensor], in_place: 
                 cur.update(zip(node.keys, values))
                 return cur
             return node.type(zip(node.keys, values))
-        seq = current if type(current) is node.type and len(current) == len(node.children) else None
+        same: Any = current if type(current) is node.type else None
+        seq: Any = same if same is not None and len(same) == len(node.children) else None
         items = [
             materialize(c, seq[i] if seq is not None else None, tensors, in_place, (*path, i))
             for i, c in enumerate(node.children)
@@ -303,8 +315,47 @@ def materialize(node: Any, current: Any, tensors: list[torch.Tensor], in_place: 
             return items
         if node.type is tuple:
             return tuple(items)
-        return node.type._make(items) if _is_namedtuple_type(node.type) else node.type(items)
+        tp: Any = node.type
+        return tp._make(items) if _is_namedtuple_type(tp) else tp(items)
     return node
+
+
+def receive_targets(
+    state: Any, metas: list[TensorMeta], which: Which, device_for: Callable[[TensorMeta], torch.device]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Where each incoming tensor goes: the receiver's own tensor at the same path when it has the same
+    shape, dtype and device type (written in place), otherwise a new tensor allocated from the metadata on
+    `device_for(meta)`. Returns the targets and which of them are in place."""
+    index = tensor_index(state, which)
+    targets: list[torch.Tensor] = []
+    in_place: list[bool] = []
+    for meta in metas:
+        mine = index.get(meta.path)
+        fits = (
+            mine is not None
+            and tuple(mine.shape) == meta.shape
+            and mine.dtype == meta.dtype
+            and mine.device.type == meta.device_type
+        )
+        if fits:
+            assert mine is not None
+            targets.append(mine)
+        else:
+            targets.append(torch.empty(meta.shape, dtype=meta.dtype, device=device_for(meta)))
+        in_place.append(fits)
+    return targets, in_place
+
+
+def copy_state(src: Any, dst: Any, which: Which = "sync") -> list[bool]:
+    """Make `dst` hold `src`'s `which` fields as a sync would, without communication (in place where it
+    can). Returns which tensors were written in place. Used for local round trips and tests."""
+    flat = flatten(src, which)
+    targets, in_place = receive_targets(dst, flat.metas, which, lambda m: torch.device(m.device_type))
+    with torch.no_grad():
+        for target, tensor in zip(targets, flat.tensors):
+            target.detach().copy_(tensor)
+        apply_fields(dst, flat.skeleton, targets, in_place)
+    return in_place
 
 
 def _is_namedtuple_type(tp: type) -> bool:
