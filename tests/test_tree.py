@@ -1,0 +1,302 @@
+"""The state tree: flatten into tensors + skeleton, apply back in place, schema digests."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+import cloudpickle
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import elastic
+from elastic._tree import (
+    StateNode,
+    TensorSlot,
+    compatible,
+    copy_state,
+    field_digests,
+    flatten,
+    kind_of,
+    path_str,
+    tensor_index,
+)
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Counter:
+    """A user object with state_dict/load_state_dict: an 'other stateful'."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.t = torch.zeros(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+        self.t = sd["t"].clone()
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.frozen
+class Inner:
+    step: int
+    w: torch.Tensor
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Everything:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any
+    counter: Counter
+    inner: Inner
+    ema: torch.Tensor
+    step: int = 0
+    buffers: dict = attrs.field(factory=dict)  # type: ignore[type-arg]
+    history: list = attrs.field(factory=list)  # type: ignore[type-arg]
+    pair: tuple = (1, 2)  # type: ignore[type-arg]
+    point: Any = Point(0, 0)
+    fn: Any = None
+    scratch: dict = elastic.local(factory=dict)  # type: ignore[type-arg]
+
+
+def make(seed: int, trained: bool) -> Everything:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**seed)
+    s = Everything(model, opt, sched, scaler, Counter(), Inner(0, torch.zeros(2)), torch.zeros(3))
+    if trained:
+        for _ in range(3):
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+            opt.step()
+            sched.step()
+        s.step = 3
+        s.counter.n = 11
+        s.counter.t = torch.tensor([1.0, 2.0])
+        object.__setattr__(s, "inner", Inner(5, torch.tensor([3.0, 4.0])))
+        s.ema = torch.arange(5.0)  # another shape than the receiver's
+        s.buffers = {"a": torch.ones(2, 2), "b": torch.arange(4).view(2, 2).t()}  # non-contiguous
+        s.history = [0.5, 0.25, torch.tensor(7)]
+        s.pair = (torch.ones(1), "x")
+        s.point = Point(torch.full((2,), 9.0), 3)
+        k = 10
+        s.fn = lambda v: v + k  # a closure
+    s.scratch["mine"] = seed
+    return s
+
+
+def test_kinds() -> None:
+    s = make(0, True)
+    assert [
+        kind_of(getattr(s, f)) for f in ("model", "opt", "sched", "scaler", "counter", "inner", "ema")
+    ] == [
+        "module",
+        "optimizer",
+        "stateful",
+        "stateful",
+        "stateful",
+        "state",
+        "tensor",
+    ]
+    assert kind_of({}) == "dict" and kind_of(collections.OrderedDict()) == "dict"
+    assert kind_of([1]) == "list" and kind_of((1,)) == "tuple" and kind_of(Point(1, 2)) == "tuple"
+    assert kind_of(None) == "none" and kind_of(lambda: 0) == "object" and kind_of(3) == "object"
+
+
+def test_flatten_skeleton_and_paths() -> None:
+    s = make(0, True)
+    flat = flatten(s)
+    assert isinstance(flat.skeleton, StateNode)
+    assert "scratch" not in flat.skeleton.fields  # local fields never leave the rank
+    paths = [path_str(m.path) for m in flat.metas]
+    assert "model.0.weight" in paths and "opt.state.0.exp_avg" in paths and "inner.w" in paths
+    assert "buffers.b" in paths and "history.2" in paths and "point.0" in paths
+    for t, m in zip(flat.tensors, flat.metas):
+        assert tuple(t.shape) == m.shape and t.dtype == m.dtype and m.nbytes == t.numel() * t.element_size()
+    # The skeleton pickles small: tensors are slots, not data.
+    cloudpickle.dumps(flat.skeleton)
+    assert not any(isinstance(v, torch.Tensor) for v in _leaves(flat.skeleton))
+    assert flat.skeleton.fields["step"] == 3
+    assert flat.skeleton.fields["ema"] == TensorSlot(paths.index("ema"))
+
+
+def _leaves(node: Any) -> list[Any]:
+    out: list[Any] = []
+    for f in attrs.fields(type(node)) if attrs.has(type(node)) else []:
+        v = getattr(node, f.name)
+        if isinstance(v, dict):
+            for x in v.values():
+                out.extend(_leaves(x) if attrs.has(type(x)) else [x])
+        elif isinstance(v, tuple):
+            for x in v:
+                out.extend(_leaves(x) if attrs.has(type(x)) else [x])
+    return out
+
+
+def test_flatten_never_modifies_the_source() -> None:
+    s = make(0, True)
+    before = {p: t.clone() for p, t in tensor_index(s).items()}
+    dst = make(1, False)
+    copy_state(s, dst)
+    for p, t in tensor_index(s).items():
+        assert torch.equal(t, before[p]), path_str(p)
+
+
+def test_copy_state_applies_everything_in_place() -> None:
+    src, dst = make(0, True), make(1, False)
+    params = list(dst.model.parameters())
+    ptrs = [p.data_ptr() for p in params]
+    buffers_dict, history_list, counter, model, opt = (
+        dst.buffers,
+        dst.history,
+        dst.counter,
+        dst.model,
+        dst.opt,
+    )
+    in_place = copy_state(src, dst)
+    # identities kept: module, its parameters (same storage), optimizer, stateful objects, containers
+    assert dst.model is model and dst.opt is opt and dst.counter is counter
+    assert [p.data_ptr() for p in dst.model.parameters()] == ptrs
+    assert all(a is b for a, b in zip(dst.model.parameters(), params))
+    assert dst.opt.param_groups[0]["params"][0] is params[0]
+    assert dst.buffers is buffers_dict and dst.history is history_list
+    # values equal
+    for p, q in zip(src.model.parameters(), dst.model.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(src.model[1].running_mean, dst.model[1].running_mean)
+    assert dst.opt.state_dict()["state"].keys() == src.opt.state_dict()["state"].keys()
+    for k, v in src.opt.state_dict()["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, dst.opt.state_dict()["state"][k][name])
+    assert dst.sched.state_dict() == src.sched.state_dict()
+    assert dst.scaler.get_scale() == src.scaler.get_scale() == 1.0
+    assert dst.counter.n == 11 and torch.equal(dst.counter.t, torch.tensor([1.0, 2.0]))
+    assert dst.inner.step == 5 and torch.equal(dst.inner.w, torch.tensor([3.0, 4.0]))
+    assert torch.equal(dst.ema, torch.arange(5.0))  # mis-shaped: allocated from the source's metadata
+    assert torch.equal(dst.buffers["b"], src.buffers["b"])
+    assert dst.history[:2] == [0.5, 0.25] and torch.equal(dst.history[2], torch.tensor(7))
+    assert torch.equal(dst.pair[0], torch.ones(1)) and dst.pair[1] == "x"
+    assert isinstance(dst.point, Point) and dst.point.y == 3
+    assert dst.fn(1) == 11
+    assert dst.step == 3
+    assert dst.scratch == {"mine": 1}  # local: untouched
+    assert not all(in_place) and any(in_place)
+
+
+def test_fresh_adam_receives_state_and_steps_like_the_source() -> None:
+    src, dst = make(0, True), make(1, False)
+    assert dst.opt.state_dict()["state"] == {}  # fresh: no exp_avg yet
+    copy_state(src, dst)
+    x = torch.randn(5, 3)
+    for s in (src, dst):
+        s.opt.zero_grad()
+        s.model(x).pow(2).sum().backward()
+        s.opt.step()
+    for p, q in zip(src.model.parameters(), dst.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_schema_digests() -> None:
+    a, b = make(0, True), make(1, False)
+    qa, fa = field_digests(a)
+    qb, fb = field_digests(b)
+    assert qa == qb
+    # container contents, optimizer state and tensor shapes are not part of the schema
+    assert all(compatible(x, y) for x, y in zip(fa, fb))
+    # module layouts are
+    b.model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    _, fb2 = field_digests(b)
+    diff = [x[0] for x, y in zip(fa, fb2) if not compatible(x, y)]
+    assert diff == ["model"]
+    # None is compatible with kinds a receiver can build, not with a module
+    assert compatible(("ema", "none", "x"), ("ema", "tensor", "y"))
+    assert not compatible(("model", "none", "x"), ("model", "module", "y"))
+
+
+@pytest.mark.parametrize(
+    ("make_tensor", "message"),
+    [
+        (lambda: torch.empty(3, device="meta"), "meta device"),
+        (lambda: torch.eye(3).to_sparse(), "layout torch.sparse_coo"),
+    ],
+)
+def test_unsupported_tensors_are_rejected_with_a_fix(make_tensor: Any, message: str) -> None:
+    s = make(0, False)
+    s.buffers = {"bad": make_tensor()}
+    with pytest.raises(TypeError, match=rf"tensor buffers.bad .*{message}"):
+        flatten(s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Property: any nested structure of tensors and plain values round-trips through flatten/apply.
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool]
+DTYPES += [torch.complex64, torch.uint8]
+
+
+@st.composite
+def tensors(draw: Any) -> torch.Tensor:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 100, shape, generator=g)
+    if dtype == torch.bool:
+        return t % 2 == 0
+    if dtype.is_complex:
+        return torch.complex(t.float(), -t.float()).to(dtype)
+    out = t.to(dtype)
+    if draw(st.booleans()) and out.dim() == 2:
+        out = out.t()  # non-contiguous
+    return out
+
+
+plain = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=5)
+)
+values = st.recursive(
+    st.one_of(plain, tensors()),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.dictionaries(st.text(max_size=3), children, max_size=3),
+        st.tuples(children, children),
+    ),
+    max_leaves=12,
+)
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Box:
+    step: int = 0
+    value: Any = None
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(src_value=values, dst_value=values)
+def test_round_trip_property(src_value: Any, dst_value: Any) -> None:
+    src, dst = Box(1, src_value), Box(0, dst_value)
+    copy_state(src, dst)
+    assert same(src.value, dst.value)
+    assert same(src.value, src_value)  # the source is untouched
