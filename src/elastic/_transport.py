@@ -50,8 +50,11 @@ class Bucket:
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
-    """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes`."""
+def plan_buckets(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None) -> list[Bucket]:
+    """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes` (default: the
+    module's `BUCKET_BYTES`, read at call time so tests can shrink it)."""
+    if bucket_bytes is None:
+        bucket_bytes = BUCKET_BYTES
     buckets: list[Bucket] = []
     segments: list[Segment] = []
     fill = 0
@@ -104,6 +107,18 @@ def _bucket_buffers(device: torch.device, size: int) -> list[torch.Tensor]:
             bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
             _buffers[device] = bufs
         return bufs
+
+
+def cached_bytes() -> int:
+    """Bytes held by the reused bucket buffers (on every device)."""
+    with _cache_lock:
+        return sum(b.numel() * b.element_size() for bufs in _buffers.values() for b in bufs)
+
+
+def release_buffers() -> None:
+    """Drop the reused bucket buffers (the next transfer allocates them again)."""
+    with _cache_lock:
+        _buffers.clear()
 
 
 @contextmanager

@@ -1,0 +1,333 @@
+"""`sync` on real gloo ranks: election, every field kind, in-place writes, errors on every rank, torn states.
+
+Each test is one spawn of 2-3 ranks that runs several checks in sequence, to keep CI time down.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import elastic
+from dist_harness import run_on_ranks
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.frozen
+class Sub:
+    step: int
+    w: torch.Tensor
+
+
+def _state_class() -> Any:
+    calls: list[Any] = []
+
+    @elastic.elastic_state(tenure=lambda s: s.step, on_sync=lambda s, r: calls.append(r))
+    @attrs.define(slots=True)
+    class State:
+        model: torch.nn.Module
+        opt: torch.optim.Optimizer
+        sched: Any
+        scaler: Any
+        sub: Sub
+        step: Any = 0
+        ema: Any = None
+        bag: dict = attrs.field(factory=dict)
+        seq: list = attrs.field(factory=list)
+        pair: tuple = (0, 0)
+        fn: Any = None
+        mine: dict = elastic.local(factory=dict)
+
+    return State, calls
+
+
+def _build(rank: int, State: Any, trained: bool, steps: int) -> Any:
+    torch.manual_seed(100 + rank)  # every rank starts from a different initialisation
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=float(rank + 1))
+    s = State(model, opt, sched, scaler, Sub(0, torch.zeros(3)))
+    if trained:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+        s.step = steps
+        s.ema = torch.full((5,), float(rank))
+        s.bag = {"big": torch.randn(600, 600), "small": torch.arange(10), "note": f"rank {rank}"}
+        s.seq = [1.5, torch.ones(2, 3).t()]
+        s.pair = (torch.tensor([rank]), "p")
+        offset = rank * 1000
+        s.fn = lambda x: x + offset  # a closure: travels by value
+        object.__setattr__(s, "sub", Sub(steps, torch.full((3,), float(steps))))
+    else:
+        s.ema = torch.zeros(2)  # mis-shaped: allocated from the source's metadata
+        s.bag = {"small": torch.zeros(10, dtype=torch.int64)}  # "big" missing: allocated
+    s.mine["rank"] = rank
+    return s
+
+
+def _fingerprint(s: Any) -> dict[str, Any]:
+    out = {f"model.{k}": v.clone() for k, v in s.model.state_dict().items()}
+    for idx, st in s.opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"opt.{idx}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    out["lr"] = s.opt.param_groups[0]["lr"]
+    out["sched"] = s.sched.state_dict()
+    out["scale"] = s.scaler.get_scale()
+    out["step"] = s.step
+    out["ema"] = s.ema.clone()
+    out["bag.big"] = s.bag["big"].clone()
+    out["bag.small"] = s.bag["small"].clone()
+    out["bag.note"] = s.bag["note"]
+    out["seq"] = [s.seq[0], s.seq[1].clone()]
+    out["pair"] = (s.pair[0].clone(), s.pair[1])
+    out["fn(1)"] = s.fn(1)
+    out["sub"] = (s.sub.step, s.sub.w.clone())
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _election_and_kinds(rank: int, world: int) -> dict[str, Any]:
+    import elastic._transport as transport
+
+    transport.BUCKET_BYTES = 64 * 1024  # several buckets even for this small state
+    State, calls = _state_class()
+    # rank 0 is brand new (no state at all), rank 1 trained 2 steps, rank 2 trained 3 steps
+    s = _build(rank, State, trained=rank > 0, steps=rank + 1)
+    if rank == 0:
+        s.step = None  # "I hold no state": least tenured
+    out: dict[str, Any] = {"elected": elastic.most_tenured_rank(s)}
+    params = list(s.model.parameters())
+    ptrs = [p.data_ptr() for p in params]
+    opt, model, bag, seq = s.opt, s.model, s.bag, s.seq
+    source_before = _fingerprint(s) if rank == 2 else None
+
+    report = elastic.sync(s, timeout=timedelta(seconds=30))
+    out["report"] = report
+    out["calls"] = list(calls)
+    out["fp"] = _fingerprint(s)
+    out["identity"] = (
+        [p.data_ptr() for p in s.model.parameters()] == ptrs
+        and all(a is b for a, b in zip(s.model.parameters(), params))
+        and s.opt is opt
+        and s.model is model
+        and s.bag is bag
+        and s.seq is seq
+        and all(p is q for p, q in zip(s.opt.param_groups[0]["params"], params))
+    )
+    out["mine"] = dict(s.mine)
+    out["tenure"] = elastic.tenure(s)
+    if source_before is not None:
+        out["source_unchanged"] = _same(source_before, out["fp"])
+
+    # A fresh Adam that received a trained Adam's state steps exactly like the source.
+    x = torch.arange(32.0).view(4, 8) / 32
+    s.opt.zero_grad()
+    s.model(x).pow(2).mean().backward()
+    s.opt.step()
+    out["after_step"] = [p.detach().clone() for p in s.model.parameters()]
+
+    # Nothing to move: same tenure and lineage everywhere (replicas kept identical by training).
+    s.step += 1
+    out["fast"] = elastic.sync(s)
+    # force always moves
+    out["forced"] = elastic.sync(s, force=True)
+    # ties go to the lowest rank; an explicit src overrides the election
+    out["tie"] = elastic.most_tenured_rank(s)
+    out["explicit"] = elastic.broadcast_state(s, 1)
+    # src must be the same everywhere
+    try:
+        elastic.sync(s, src=rank)
+    except elastic.SyncError as exc:
+        out["src_error"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_election_every_kind_in_place_and_fast_path() -> None:
+    results = run_on_ranks(_election_and_kinds, 3)
+    assert [r["elected"] for r in results] == [2, 2, 2]
+    for r in results:
+        report = r["report"]
+        assert (report.src, report.tenure, report.world_size) == (2, 3, 3)
+        assert report.tensor_bytes > 600 * 600 * 4 and report.object_bytes > 0
+        assert r["calls"] == [report]  # on_sync ran once, with the report
+        assert r["identity"], "parameters, optimizer and containers must keep their identity"
+        assert r["tenure"] == 3
+    src_fp = results[2]["fp"]
+    assert results[2]["source_unchanged"]
+    for r in results[:2]:
+        assert _same(r["fp"], src_fp), "every field must arrive equal"
+        assert r["fp"]["fn(1)"] == 2001  # the closure of rank 2
+    assert [r["mine"] for r in results] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]  # local: untouched
+    for r in results[:2]:
+        assert all(torch.equal(a, b) for a, b in zip(r["after_step"], results[2]["after_step"]))
+    for r in results:
+        assert r["fast"].tensor_bytes == 0 and r["fast"].object_bytes == 0 and r["fast"].tenure == 4
+        assert r["forced"].tensor_bytes > 0 and r["forced"].src == 0
+        assert r["tie"] == 0
+        assert r["explicit"].src == 1 and r["explicit"].tensor_bytes > 0
+        assert "must be the same on every rank" in r["src_error"]
+        assert "{'0': 0, '1': 1, '2': 2}" in r["src_error"]
+
+
+def _errors(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    @elastic.elastic_state(tenure=lambda s: s.tenure_value)
+    @attrs.define
+    class T:
+        model: torch.nn.Module
+        tenure_value: Any = 0
+
+    def attempt(key: str, s: Any) -> None:
+        try:
+            elastic.sync(s, timeout=20)
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc))
+
+    # schema mismatch: module shapes differ
+    attempt("schema", T(torch.nn.Linear(4, 4 + rank)))
+    # NaN tenure
+    attempt("nan", T(torch.nn.Linear(2, 2), float("nan") if rank == 1 else 1.0))
+    # incomparable tenures
+    attempt("types", T(torch.nn.Linear(2, 2), "step-3" if rank == 1 else 3))
+    # tenures of a type that has no order
+    attempt("unordered", T(torch.nn.Linear(2, 2), {"a": rank}))
+
+    @elastic.elastic_state(tenure=lambda s: s["missing"] if isinstance(s, dict) else s.tenure_value[0])
+    @attrs.define
+    class U:
+        tenure_value: Any = (0,)
+
+    attempt("raise_fn", U(() if rank == 1 else (1,)))
+
+    # a state of another class on one rank
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class Other:
+        step: int = 0
+
+    attempt("class", T(torch.nn.Linear(2, 2)) if rank == 0 else Other())
+    # the group survives all of these: a normal sync still works
+    ok = T(torch.nn.Linear(2, 2), rank)
+    out["after"] = elastic.sync(ok).src
+    # a field value cloudpickle cannot serialise (only the source pickles)
+    import threading
+
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class L:
+        step: int = 0
+        lock: Any = None
+
+    attempt("pickle", L(step=rank, lock=threading.Lock()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_errors_reach_every_rank_before_anything_moves() -> None:
+    results = run_on_ranks(_errors, 2)
+    for key in ("schema", "nan", "types", "unordered", "raise_fn", "class", "pickle"):
+        assert results[0][key] == results[1][key], f"{key}: every rank raises the same error"
+    kind, msg = results[0]["schema"]
+    assert kind == "StateMismatchError"
+    assert "field 'model'" in msg and "weight: shape (4, 4) torch.float32 on rank 0" in msg
+    assert "shape (5, 4) torch.float32 on rank 1" in msg and "nothing was moved" in msg
+    kind, msg = results[0]["nan"]
+    assert kind == "TenureError" and "NaN on rank 1" in msg
+    kind, msg = results[0]["types"]
+    assert kind == "TenureError" and "rank 0 has 3 (int) and rank 1 has 'step-3' (str)" in msg
+    kind, msg = results[0]["unordered"]
+    assert kind == "TenureError" and "rank 0 has {'a': 0} (dict) and rank 1 has {'a': 1} (dict)" in msg
+    kind, msg = results[0]["raise_fn"]
+    assert kind == "TenureError" and "on rank 1 the tenure function raised IndexError" in msg
+    kind, msg = results[0]["class"]
+    assert kind == "StateMismatchError" and "on rank 0" in msg and "Other on rank 1" in msg
+    assert results[0]["after"] == results[1]["after"] == 1
+    kind, msg = results[0]["pickle"]
+    assert kind == "SyncError" and "field 'lock'" in msg and "_thread.lock" in msg and "rank 1" in msg
+
+
+def _torn(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import elastic._transport as transport
+
+    transport.BUCKET_BYTES = 512  # about six buckets
+    State, _ = _state_class()
+    s = _build(rank, State, trained=True, steps=rank + 1)
+    out: dict[str, Any] = {}
+    # 1) a receiver fails while applying (rank 0 injected): every rank raises, receivers torn
+    os.environ["ELASTIC_FAULT"] = "0:apply"
+    before = _fingerprint(s)
+    try:
+        elastic.sync(s, timeout=20)
+    except elastic.SyncError as exc:
+        out["apply_error"] = (str(exc), exc.phase)
+    out["torn_after_apply"] = elastic.tenure(s)
+    if rank == 2:
+        out["source_unchanged"] = _same(before, _fingerprint(s))
+    del os.environ["ELASTIC_FAULT"]
+    # 2) a torn rank never wins, whatever its step says
+    if rank == 0:
+        s.step = 1000
+    out["elected_after"] = elastic.most_tenured_rank(s)
+    rep = elastic.sync(s, timeout=20)
+    out["resync"] = (rep.src, elastic.tenure(s))
+    # 3) a receiver (rank 1) is killed mid-transfer, at bucket 1: the survivors raise SyncError within
+    #    the timeout; the other receiver is torn, the source keeps its state and tenure
+    os.environ["ELASTIC_FAULT"] = "1:bucket 1:die"
+    s.step = 50 if rank == 2 else 40
+    before = _fingerprint(s)
+    try:
+        elastic.sync(s, force=True, timeout=10)
+        out["died"] = None
+    except elastic.SyncError as exc:
+        out["died"] = (str(exc), exc.phase)
+    out["tenure_after_death"] = elastic.tenure(s)
+    if rank == 2:
+        out["source_unchanged_after_death"] = _same(before, _fingerprint(s))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_failures_tear_receivers_and_never_hang() -> None:
+    results = run_on_ranks(_torn, 3, allow_exit=True, pg_timeout=60)
+    for r in (results[0],):
+        msg, phase = r["apply_error"]
+        assert "failed on rank 0 (receiver)" in msg and "fault injected on rank 0 at apply" in msg
+        assert phase == "apply"
+        assert r["torn_after_apply"] is None
+        assert r["elected_after"] == 2
+        assert r["resync"] == (2, 3)
+    msg, _ = results[2]["apply_error"]
+    assert "failed on rank 0" in msg
+    assert results[2]["source_unchanged"] and results[2]["torn_after_apply"] == 3
+    assert results[2]["resync"] == (2, 3)
+    # rank 1 died at bucket 1 and reported nothing
+    assert results[1] is None
+    for r in (results[0], results[2]):
+        msg, phase = r["died"]
+        assert phase.startswith("bucket") or phase == "commit"
+        assert "sync" in msg and ("failed in phase" in msg or "timed out in phase" in msg)
+    assert results[0]["tenure_after_death"] is None  # torn receiver
+    assert results[2]["tenure_after_death"] == 50  # the source is never torn
+    assert results[2]["source_unchanged_after_death"]
