@@ -25,7 +25,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(payload: bytes, rank: int, world: int, port: int, queue: Any, pg_timeout: float) -> None:
+def _worker(
+    payload: bytes, rank: int, world: int, port: int, queue: Any, pg_timeout: float, init_group: bool
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -39,7 +41,10 @@ def _worker(payload: bytes, rank: int, world: int, port: int, queue: Any, pg_tim
     try:
         fn, args, env = cloudpickle.loads(payload)
         os.environ.update(env.get(rank, {}) if isinstance(env, dict) else {})
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+        if init_group:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout)
+            )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", cloudpickle.dumps(result)))
     except BaseException as exc:  # report everything, including SystemExit from a test body
@@ -68,18 +73,22 @@ def run_on_ranks(
     pg_timeout: float = 30.0,
     env: dict[int, dict[str, str]] | None = None,
     allow_exit: bool = False,
+    init_group: bool = True,
 ) -> list[Any]:
     """`fn(rank, world, *args)` on `world` gloo ranks; results in rank order.
 
     A rank that raises makes this raise `RankFailure` with every failing rank's traceback. With
     `allow_exit`, a rank that exits without reporting (a simulated crash) yields `None` as its result.
+    With `init_group=False` the processes start without a process group (MASTER_PORT is still set to a
+    free port the body may use for its own store).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     payload = cloudpickle.dumps((fn, args, env or {}))
     procs = [
-        ctx.Process(target=_worker, args=(payload, r, world, port, queue, pg_timeout)) for r in range(world)
+        ctx.Process(target=_worker, args=(payload, r, world, port, queue, pg_timeout, init_group))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
