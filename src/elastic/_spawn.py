@@ -1,12 +1,604 @@
-"""`elastic.spawn`: run a function on N local workers, from a script or a notebook."""
+"""`elastic.spawn`: run a function on N local workers, from a script or a notebook.
+
+The engine is torch's own launcher (`torch.distributed.launcher.api.elastic_launch`, the code behind
+torchrun): one local agent, c10d rendezvous on a free loopback port, `max_restarts` as torchrun counts
+them. What it adds:
+
+- Workers are fresh interpreters (``python -c``) that read ``(fn, args, kwargs)`` from a cloudpickle file,
+  so functions from a notebook or ``__main__``, lambdas and closures work, and the caller's ``__main__`` is
+  never imported again (no ``if __name__ == "__main__"`` guard needed). Results and exceptions come back
+  through files in a private temporary directory.
+- Output: the launcher's "tee" writes each worker's stdout/stderr to a file and copies every line, as it
+  arrives, into the caller's ``sys.stdout``/``sys.stderr`` objects (a notebook cell, pytest's capture)
+  with the prefix ``[rank N] ``.
+- Deadline: a rendezvous handler wrapping torch's c10d handler checks the deadline each time the agent
+  polls it (every monitor interval), so `timeout` stops the agent, which stops the workers.
+- Cleanup: the caller's signal handlers and environment, which the launcher replaces, are restored;
+  workers die with the caller (Linux ``PR_SET_PDEATHSIG``); any worker still alive at the end is killed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+import cloudpickle
+
+from ._decorator import as_timedelta
+from ._errors import WorkerError
 
 __all__ = ["spawn"]
 
+log = logging.getLogger("elastic")
 
-def spawn(fn: Any, nprocs: int = 2, **kwargs: Any) -> list[Any]:
-    """Run `fn` on `nprocs` local workers with their process group initialised."""
-    raise NotImplementedError("elastic.spawn is not implemented yet")
+#: Name under which the deadline-aware rendezvous backend is registered with torch's registry.
+_RDZV_BACKEND = "elastic-spawn"
+#: What each worker interpreter runs; the payload path is its first argument.
+_WORKER_CODE = "from elastic._spawn import _worker_main; _worker_main()"
+#: Seconds between the agent's checks of its workers (torchrun's default).
+_MONITOR_INTERVAL = 0.1
+#: Seconds a stopped worker gets between SIGTERM and SIGKILL (torch versions that let us choose).
+_SHUTDOWN_TIMEOUT = 5
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+class _Deadline(Exception):
+    """Raised inside the launcher's agent loop when a spawn's `timeout` has passed."""
+
+
+@dataclasses.dataclass
+class _Run:
+    deadline: float | None  # time.monotonic() value, or None for no deadline
+    timed_out: bool = False
+
+    def check(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+            raise _Deadline
+
+
+_RUNS: dict[str, _Run] = {}
+_RUNS_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+def _rendezvous_handler_class() -> type:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    class DeadlineRendezvousHandler(RendezvousHandler):
+        """torch's c10d rendezvous handler that stops the agent once the spawn's deadline has passed."""
+
+        def __init__(self, inner: Any, run: _Run) -> None:
+            self._inner = inner
+            self._run = run
+
+        def get_backend(self) -> str:
+            return _RDZV_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return bool(getattr(self._inner, "use_agent_store", False))
+
+        def next_rendezvous(self) -> Any:
+            self._run.check()
+            return self._inner.next_rendezvous()
+
+        def num_nodes_waiting(self) -> int:
+            self._run.check()  # the agent calls this every monitor interval while workers run
+            return int(self._inner.num_nodes_waiting())
+
+        def is_closed(self) -> bool:
+            return bool(self._inner.is_closed())
+
+        def set_closed(self) -> None:
+            self._inner.set_closed()
+
+        def get_run_id(self) -> str:
+            return str(self._inner.get_run_id())
+
+        def shutdown(self) -> bool:
+            return bool(self._inner.shutdown())
+
+    return DeadlineRendezvousHandler
+
+
+def _create_rendezvous_handler(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    with _RUNS_LOCK:
+        run = _RUNS[params.run_id]
+    inner_params = copy.copy(params)
+    inner_params.backend = "c10d"
+    inner = rendezvous_handler_registry.create_handler(inner_params)
+    return _rendezvous_handler_class()(inner, run)
+
+
+def _register_backend() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_RDZV_BACKEND, _create_rendezvous_handler)
+    _REGISTERED = True
+
+
+# --------------------------------------------------------------------------------------------------------
+# Caller side
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Demote(logging.Filter):
+    """Turns torchelastic's log records (restarts, SIGTERMs sent, ...) into DEBUG records of "elastic"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        log.debug("torchelastic: %s", record.getMessage())
+        return False
+
+
+_DEMOTE = _Demote()
+_DEMOTE_LOCK = threading.Lock()
+_DEMOTE_USERS = 0
+
+
+def _torchelastic_loggers() -> list[logging.Logger]:
+    names = [
+        name
+        for name, obj in logging.Logger.manager.loggerDict.items()
+        if isinstance(obj, logging.Logger)
+        and (name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"))
+    ]
+    return [logging.getLogger(name) for name in names]
+
+
+@contextlib.contextmanager
+def _quiet_torchelastic() -> Iterator[None]:
+    """The launcher logs every restart and signal it sends at WARNING; spawn reports failures itself."""
+    global _DEMOTE_USERS
+    with _DEMOTE_LOCK:
+        _DEMOTE_USERS += 1
+        loggers = _torchelastic_loggers()
+        for lg in loggers:
+            if _DEMOTE not in lg.filters:
+                lg.addFilter(_DEMOTE)
+    try:
+        yield
+    finally:
+        with _DEMOTE_LOCK:
+            _DEMOTE_USERS -= 1
+            if _DEMOTE_USERS == 0:
+                for lg in _torchelastic_loggers():
+                    lg.removeFilter(_DEMOTE)
+
+
+@contextlib.contextmanager
+def _keep_signals_and_env() -> Iterator[None]:
+    """Undo what the launcher does to the caller: signal handlers and one environment variable."""
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                handler = signal.getsignal(sig)
+                if handler is not None:
+                    saved[sig] = handler
+    env_key = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+    env_before = os.environ.get(env_key)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, handler)
+        if env_before is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = env_before
+
+
+def _check_args(
+    fn: Any, nprocs: Any, args: Any, kwargs: Any, backend: Any, max_restarts: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not callable(fn):
+        msg = f"elastic.spawn(fn, ...): fn must be callable, got {fn!r}"
+        raise TypeError(msg) from None
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        msg = f"elastic.spawn(nprocs=...) must be a positive int, got {nprocs!r}"
+        raise ValueError(msg) from None
+    if not isinstance(args, (tuple, list)):
+        msg = f"elastic.spawn(args=...) must be a tuple of positional arguments, got {type(args).__name__}"
+        raise TypeError(msg) from None
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        msg = f"elastic.spawn(kwargs=...) must be a dict of keyword arguments or None, got {kwargs!r}"
+        raise TypeError(msg) from None
+    if not isinstance(backend, str) or not backend:
+        msg = f"elastic.spawn(backend=...) must be a backend name such as 'gloo' or 'nccl', got {backend!r}"
+        raise TypeError(msg) from None
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        msg = f"elastic.spawn(max_restarts=...) must be an int >= 0, got {max_restarts!r}"
+        raise ValueError(msg) from None
+    return tuple(args), kwargs
+
+
+def _write_payload(
+    path: Path, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: dict[str, Any]
+) -> None:
+    try:
+        body = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        msg = (
+            f"elastic.spawn could not pickle fn, args or kwargs with cloudpickle ({type(exc).__name__}: "
+            f"{exc}); pass values that can be pickled (open files, locks and sockets cannot)"
+        )
+        raise TypeError(msg) from None
+    with open(path, "wb") as f:
+        pickle.dump([str(p) for p in sys.path], f)  # plain strings: read before anything is unpickled
+        pickle.dump(config, f)
+        f.write(body)
+
+
+def _launch_config(run_id: str, nprocs: int, max_restarts: int, logs_dir: Path) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    optional: dict[str, Any] = {"shutdown_timeout": _SHUTDOWN_TIMEOUT}
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=run_id,
+        rdzv_backend=_RDZV_BACKEND,
+        rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store binds a free port, fresh for each call
+        max_restarts=max_restarts,
+        monitor_interval=_MONITOR_INTERVAL,
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs_dir), tee=Std.ALL),
+        log_line_prefix_template="[rank ${rank}] ",
+        **{k: v for k, v in optional.items() if k in known},
+    )
+
+
+def _files(tmp: Path, kind: str) -> dict[tuple[int, int], Path]:
+    """`{(restart, rank): path}` of the `kind` ("pid", "result", "error") files the workers wrote."""
+    found = {}
+    for path in tmp.glob(f"{kind}-*-*"):
+        parts = path.name.split("-")
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            found[(int(parts[1]), int(parts[2]))] = path
+    return found
+
+
+def _proc_path(pid: int, what: str) -> Path:
+    return Path("/proc") / str(pid) / what
+
+
+def _kill_leftovers(tmp: Path, payload: Path) -> None:
+    """Kill (and reap) any worker of this call still alive; normally the launcher has stopped them all."""
+    if not Path("/proc/self").exists():
+        return
+    for path in _files(tmp, "pid").values():
+        try:
+            pid = int(path.read_text())
+            cmdline = _proc_path(pid, "cmdline").read_bytes()
+            stat = _proc_path(pid, "stat").read_text()
+        except (OSError, ValueError):
+            continue  # gone
+        if str(payload).encode() not in cmdline:
+            continue  # the pid now belongs to another process
+        if stat.rsplit(")", 1)[-1].split()[0] != "Z":
+            log.warning("spawn: worker process %d outlived its agent; killing it", pid)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.waitpid(pid, 0)
+
+
+def _signal_name(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _worker_error(
+    tmp: Path, failures: dict[int, Any], nprocs: int, max_restarts: int, timed_out: float | None
+) -> WorkerError:
+    """The WorkerError describing the last attempt's first failure (`failures`: rank -> ProcessFailure)."""
+    pids = _files(tmp, "pid")
+    last = max((restart for restart, _ in pids), default=0)
+    records = []
+    for (restart, _rank), path in _files(tmp, "error").items():
+        if restart == last:
+            with contextlib.suppress(Exception), open(path, "rb") as f:
+                records.append(pickle.load(f))
+    restarts = f" after {last} restart(s)" if last else ""
+    silent = {
+        rank: f.exitcode
+        for rank, f in sorted(failures.items())
+        if rank not in {r["rank"] for r in records} and f.exitcode not in (-signal.SIGTERM, -signal.SIGKILL)
+    }
+    also = "".join(f"; rank {r} exited with {_signal_name(code)}" for r, code in silent.items())
+    if timed_out is not None:
+        msg = (
+            f"elastic.spawn timed out after {timed_out:g} s{restarts}: all {nprocs} workers were stopped. "
+            "Raise timeout=, or look for a worker that hangs (a collective some rank never joins)"
+        )
+        return WorkerError(msg, exc_type="TimeoutError", exc_message=msg)
+    # A record whose rank saw a peer already dead (a broken connection) is a consequence, not a cause.
+    causes = [r for r in records if not r.get("dead_peers")] or ([] if silent else records)
+    if causes:
+        first = min(causes, key=lambda r: r["time"])
+        rank = first["rank"]
+        msg = (
+            f"rank {rank} raised {first['type']}: {first['message']}{restarts}{also}\n"
+            f"(the other workers were stopped)\n\nTraceback of rank {rank}:\n{first['traceback']}"
+        )
+        return WorkerError(
+            msg,
+            rank=rank,
+            exc_type=first["type"],
+            exc_message=first["message"],
+            remote_traceback=first["traceback"],
+        )
+    if failures:
+        # SIGTERM/SIGKILL are what the agent sends the survivors of a failure: look past them.
+        stopped = (-signal.SIGTERM, -signal.SIGKILL)
+        rank = min(failures, key=lambda r: (failures[r].exitcode in stopped, failures[r].timestamp, r))
+        code = failures[rank].exitcode
+        how = _signal_name(code)
+        others = "".join(
+            f"; rank {r['rank']} then raised {r['type']}: {r['message'].strip()}"
+            for r in sorted(records, key=lambda r: r["rank"])
+        )
+        msg = (
+            f"rank {rank} exited with {how} without raising a Python exception{restarts} "
+            f"(killed, out of memory, os._exit?){others}; the other workers were stopped"
+        )
+        return WorkerError(msg, rank=rank, exc_type=None, exc_message=how)
+    msg = f"elastic.spawn: the workers failed{restarts} without reporting why (max_restarts={max_restarts})"
+    return WorkerError(msg)
+
+
+def _results(tmp: Path, nprocs: int) -> list[Any]:
+    pids = _files(tmp, "pid")
+    last = max((restart for restart, _ in pids), default=0)
+    found = _files(tmp, "result")
+    missing = [r for r in range(nprocs) if (last, r) not in found]
+    if missing:
+        msg = (
+            f"elastic.spawn: ranks {missing} exited with code 0 but returned nothing (did fn call os._exit?)"
+        )
+        raise WorkerError(msg, rank=missing[0]) from None
+    out = []
+    for rank in range(nprocs):
+        try:
+            out.append(cloudpickle.loads(found[(last, rank)].read_bytes()))
+        except Exception as exc:
+            msg = (
+                f"elastic.spawn: the value returned by rank {rank} could not be unpickled here "
+                f"({type(exc).__name__}: {exc}); return plain data (tensors, numbers, dicts) instead"
+            )
+            raise WorkerError(msg, rank=rank, exc_type=type(exc).__name__, exc_message=str(exc)) from None
+    return out
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    backend: str = "gloo",
+    max_restarts: int = 0,
+    timeout: timedelta | float | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on `nprocs` local workers and return their results in rank order.
+
+    Each worker is a fresh Python process with the default process group initialised
+    (`elastic.init_process_group(backend)`) and torchrun's environment variables (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RESTART_COUNT``, ...). `fn`, `args` and `kwargs` travel
+    with cloudpickle, so functions defined in a notebook or in ``__main__``, lambdas and closures work.
+    Every line the workers print appears in this process's ``sys.stdout``/``sys.stderr``, prefixed
+    ``[rank N] ``.
+
+    A worker that raises makes `spawn` raise `WorkerError` (rank, exception type and message, remote
+    traceback) after stopping the others; with ``max_restarts=k`` the whole group is first restarted up
+    to k times, as torchrun does. `timeout` (seconds or timedelta) bounds the whole run. No worker
+    process outlives the call, also on ``KeyboardInterrupt``.
+    """
+    args, kwargs = _check_args(fn, nprocs, args, kwargs, backend, max_restarts)
+    td = as_timedelta(timeout, "elastic.spawn")
+    seconds = None if td is None else td.total_seconds()
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _register_backend()
+    tmp = Path(tempfile.mkdtemp(prefix="elastic-spawn-"))
+    payload = tmp / "payload.pkl"
+    run_id = f"elastic-spawn-{uuid.uuid4().hex[:12]}"
+    run = _Run(deadline=None if seconds is None else time.monotonic() + seconds)
+    try:
+        worker_config = {
+            "backend": backend,
+            "timeout": seconds,
+            "out_dir": str(tmp),
+            "max_restarts": max_restarts,
+            "parent": os.getpid(),
+        }
+        _write_payload(payload, fn, args, kwargs, worker_config)
+        config = _launch_config(run_id, nprocs, max_restarts, tmp / "logs")
+        with _RUNS_LOCK:
+            _RUNS[run_id] = run
+        log.debug("spawn %s: %d workers, backend %s, max_restarts %d", run_id, nprocs, backend, max_restarts)
+        try:
+            with _keep_signals_and_env(), _quiet_torchelastic():
+                elastic_launch(config, sys.executable)("-c", _WORKER_CODE, str(payload))
+        except ChildFailedError as exc:
+            raise _worker_error(tmp, dict(exc.failures), nprocs, max_restarts, None) from None
+        except _Deadline:
+            raise _worker_error(tmp, {}, nprocs, max_restarts, seconds) from None
+        except SignalException as exc:
+            # The launcher turned a signal sent to this process into an exception after stopping the
+            # workers; now that the caller's handlers are back, deliver it again the caller's way.
+            # (SIGINT with Python's default handler becomes KeyboardInterrupt here.)
+            sig = exc.sigval
+            signal.raise_signal(sig)
+            msg = f"elastic.spawn was interrupted by {signal.Signals(sig).name}; every worker was stopped"
+            raise WorkerError(msg) from None
+        return _results(tmp, nprocs)
+    finally:
+        with _RUNS_LOCK:
+            _RUNS.pop(run_id, None)
+        _kill_leftovers(tmp, payload)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Worker side (runs in ``python -c`` started by the launcher)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: be killed when the caller dies (e.g. a notebook kernel restarted with SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the caller died before prctl took effect
+        os._exit(1)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_bytes(data)
+    os.replace(part, path)
+
+
+def _running(pid: int) -> bool:
+    """False once process `pid` has exited (a zombie, waiting to be reaped, has exited)."""
+    if Path("/proc/self").exists():
+        try:
+            return _proc_path(pid, "stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _dead_peers(out: Path, restart: int, rank: int, wait: float = 0.1) -> list[int]:
+    """Ranks of this attempt whose process has already ended (polled for up to `wait` seconds).
+
+    A rank whose collective broke because a peer died reports that peer here, so the caller can name the
+    peer, not the broken connection, as the first failure.
+    """
+    peers = {r: p for (a, r), p in _files(out, "pid").items() if a == restart and r != rank}
+    deadline = time.monotonic() + wait
+    while True:
+        dead = []
+        for peer, path in sorted(peers.items()):
+            try:
+                pid = int(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not _running(pid):
+                dead.append(peer)
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
+
+
+def _type_name(exc: BaseException) -> str:
+    cls = type(exc)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _worker_main() -> None:
+    import torch.distributed as dist
+
+    if hasattr(signal, "SIGINT"):
+        # Ctrl-C in a terminal or "interrupt kernel" reaches every worker: die quietly, the caller reports.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with open(sys.argv[1], "rb") as f:
+        caller_path = pickle.load(f)
+        config = pickle.load(f)
+        body = f.read()
+    _die_with_parent(config["parent"])
+    out = Path(config["out_dir"])
+    _write_atomic(out / f"pid-{restart}-{rank}", str(os.getpid()).encode())
+    sys.path[:] = caller_path + [p for p in sys.path if p not in caller_path]
+
+    from ._process_group import init_process_group
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(body)
+        init_process_group(config["backend"], timeout=config["timeout"])
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            result = None
+        data = cloudpickle.dumps(result)
+    except BaseException as exc:
+        tb = traceback.format_exception(
+            type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None
+        )
+        record = {
+            "dead_peers": _dead_peers(out, restart, rank),
+            "rank": rank,
+            "restart": restart,
+            "time": time.time(),
+            "type": _type_name(exc),
+            "message": str(exc),
+            "traceback": "".join(tb),
+        }
+        _write_atomic(out / f"error-{restart}-{rank}", pickle.dumps(record))
+        if restart < config["max_restarts"]:
+            sys.stderr.write("".join(tb))
+            sys.stderr.write(f"attempt {restart} failed; elastic.spawn restarts the group\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    _write_atomic(out / f"result-{restart}-{rank}", data)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()

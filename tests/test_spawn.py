@@ -1,0 +1,371 @@
+"""`elastic.spawn`: any callable, rank order, live prefixed output, errors, timeout, restarts, cleanup.
+
+Every spawn starts real worker interpreters (each imports torch), so checks that can share a run do.
+After each run the test asserts that no worker process is left: neither a child of this process nor any
+process whose pid a worker reported.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import elastic
+from elastic import WorkerError
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="process checks read /proc")
+
+
+def _children() -> list[int]:
+    """Pids of this process's children, zombies included (a zombie is a child nobody reaped)."""
+    me = str(os.getpid())
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[-1].split()[1] == me:
+                out.append(int(entry.name))
+    return out
+
+
+def _is_worker(pid: int) -> bool:
+    """True while `pid` is still a spawn worker process (running or an unreaped zombie)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return b"elastic._spawn" in cmdline or stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def _assert_no_workers_left(pids: list[int] = ()) -> None:  # type: ignore[assignment]
+    assert _children() == []
+    assert [p for p in pids if _is_worker(p)] == []
+
+
+def _pids_in(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("pid-*")]
+
+
+def _run_script(code: str, tmp_path: Path, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+    )
+
+
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.mark.timeout(120)
+def test_closure_kwargs_rank_order_output_and_a_second_call(capsys: pytest.CaptureFixture[str]) -> None:
+    offset = 100  # captured by the closure
+
+    def work(scale: int, *, label: str) -> dict:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        print(f"hello from {label} {rank}")
+        print(f"warning from {rank}", file=sys.stderr)
+        return {
+            "value": offset + scale * rank,
+            "rank": rank,
+            "world": dist.get_world_size(),
+            "backend": dist.get_backend(),
+            "env": {
+                k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
+            },
+            "pid": os.getpid(),
+        }
+
+    results = elastic.spawn(work, 3, args=(10,), kwargs={"label": "worker"})
+    assert [r["value"] for r in results] == [100, 110, 120]
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert {r["world"] for r in results} == {3}
+    assert {r["backend"] for r in results} == {"gloo"}
+    assert [r["env"] for r in results] == [
+        {"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": "3", "TORCHELASTIC_RESTART_COUNT": "0"}
+        for i in range(3)
+    ]
+    assert os.getpid() not in {r["pid"] for r in results}
+    captured = capsys.readouterr()
+    for rank in range(3):
+        assert f"[rank {rank}] hello from worker {rank}\n" in captured.out
+        assert f"[rank {rank}] warning from {rank}\n" in captured.err
+    _assert_no_workers_left([r["pid"] for r in results])
+
+    # A second call in the same process: a lambda, a fresh port, same clean exit.
+    again = elastic.spawn(lambda a, b: (a + b, os.getpid(), os.environ["MASTER_PORT"]), 2, args=(1, 2))
+    assert [r[0] for r in again] == [3, 3]
+    assert int(again[0][2]) > 0 and again[0][2] == again[1][2]
+    _assert_no_workers_left([r[1] for r in again])
+
+
+@pytest.mark.timeout(60)
+def test_output_reaches_a_replaced_sys_stdout_while_workers_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook's sys.stdout is a Python object, not a file descriptor; lines arrive before the end."""
+
+    class Recorder(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first_line_at: float | None = None
+
+        def write(self, s: str) -> int:
+            if "[rank 1] started" in s and self.first_line_at is None:
+                self.first_line_at = time.monotonic()
+            return super().write(s)
+
+    out, err = Recorder(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+
+    def work(marker: str) -> int:
+        import torch.distributed as dist
+
+        print("started")
+        # Stay alive until the caller has seen the line above (or give up after 30 s).
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("seen" if os.path.exists(marker) else "never seen")
+        return dist.get_rank()
+
+    marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"elastic-spawn-seen-{os.getpid()}-{time.time_ns()}"
+
+    def watch() -> None:
+        give_up = time.monotonic() + 50
+        while out.first_line_at is None and time.monotonic() < give_up:
+            time.sleep(0.02)
+        if out.first_line_at is not None:
+            marker.write_text("seen")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        results = elastic.spawn(work, 2, args=(str(marker),))
+    finally:
+        marker.unlink(missing_ok=True)
+    assert results == [0, 1]
+    text = out.getvalue()
+    assert "[rank 1] started\n" in text
+    assert "[rank 0] seen\n" in text and "[rank 1] seen\n" in text  # the caller saw output mid-run
+    assert "never seen" not in text
+    _assert_no_workers_left()
+
+
+SCRIPT_WITHOUT_GUARD = """
+    import os
+    import elastic
+
+    print("top level ran in", os.getpid(), flush=True)
+
+    def square(x):
+        import torch.distributed as dist
+        return (dist.get_rank(), x * x)
+
+    print("results", elastic.spawn(square, 2, args=(7,)), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_main_defined_function_from_a_fresh_interpreter_needs_no_guard(tmp_path: Path) -> None:
+    done = _run_script(SCRIPT_WITHOUT_GUARD, tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # __main__ ran once, in the caller; workers never re-import it.
+    assert len([line for line in lines if "top level ran" in line]) == 1
+    assert "results [(0, 49), (1, 49)]" in lines
+    assert "Traceback" not in done.stderr
+
+    code = textwrap.dedent(SCRIPT_WITHOUT_GUARD).replace("(7,)", "(3,)")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "results [(0, 9), (1, 9)]" in done.stdout.splitlines()
+    _assert_no_workers_left()
+
+
+def raise_on_rank_1(folder: str) -> None:
+    import torch.distributed as dist
+
+    Path(folder, f"pid-{dist.get_rank()}").write_text(str(os.getpid()))
+    if dist.get_rank() == 1:
+        raise ValueError("bad learning rate -3")
+    time.sleep(120)  # stopped by spawn when rank 1 fails
+
+
+@pytest.mark.timeout(90)
+def test_a_raising_worker_becomes_worker_error_and_the_others_stop(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError) as info:
+        elastic.spawn(raise_on_rank_1, 2, args=(str(tmp_path),))
+    err = info.value
+    assert err.rank == 1
+    assert err.exc_type == "ValueError"
+    assert err.exc_message == "bad learning rate -3"
+    assert err.remote_traceback is not None
+    assert 'raise ValueError("bad learning rate -3")' in err.remote_traceback
+    assert "in raise_on_rank_1" in err.remote_traceback
+    assert "rank 1 raised ValueError: bad learning rate -3" in str(err)
+    assert isinstance(err, elastic.ElasticError)
+    pids = _pids_in(tmp_path)
+    assert len(pids) == 2
+    _assert_no_workers_left(pids)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_without_an_exception_names_rank_and_exit_code() -> None:
+    def die() -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os._exit(7)
+        time.sleep(120)
+
+    with pytest.raises(WorkerError) as info:
+        elastic.spawn(die, 2)
+    assert info.value.rank == 1
+    assert info.value.exc_type is None
+    assert "rank 1 exited with exit code 7" in str(info.value)
+    _assert_no_workers_left()
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_worker_is_stopped_by_the_timeout(tmp_path: Path) -> None:
+    def hang(folder: str) -> None:
+        import torch.distributed as dist
+
+        Path(folder, f"pid-{dist.get_rank()}").write_text(str(os.getpid()))
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never joins
+        time.sleep(300)
+
+    with pytest.raises(WorkerError, match=r"timed out after 8 s") as info:
+        elastic.spawn(hang, 2, args=(str(tmp_path),), timeout=timedelta(seconds=8))
+    assert info.value.exc_type == "TimeoutError"
+    _assert_no_workers_left(_pids_in(tmp_path))
+
+
+def train_with_a_crash(folder: str) -> dict:
+    """Ten steps; a checkpoint every 4; on the first attempt rank 1 dies at step 6."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    ckpt = Path(folder, "step.txt")
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    step = start
+    while step < 10:
+        step += 1
+        dist.barrier()
+        if step % 4 == 0 and rank == 0:
+            tmp = ckpt.with_suffix(".tmp")
+            tmp.write_text(str(step))
+            os.replace(tmp, ckpt)
+        dist.barrier()
+        if attempt == 0 and rank == 1 and step == 6:
+            os._exit(1)
+    return {"attempt": attempt, "resumed_from": start, "step": step}
+
+
+@pytest.mark.timeout(120)
+def test_max_restarts_restarts_the_group_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    results = elastic.spawn(train_with_a_crash, 2, args=(str(tmp_path),), max_restarts=2)
+    assert results == [{"attempt": 1, "resumed_from": 4, "step": 10}] * 2
+    _assert_no_workers_left()
+
+    # Without restarts the same crash is an error.
+    (tmp_path / "step.txt").unlink()
+    with pytest.raises(WorkerError, match="rank 1 exited with exit code 1") as info:
+        elastic.spawn(train_with_a_crash, 2, args=(str(tmp_path),))
+    assert info.value.rank == 1
+    _assert_no_workers_left()
+
+
+INTERRUPTED = """
+    import os, sys, time
+    import elastic
+
+    def hang(folder):
+        import torch.distributed as dist
+        open(os.path.join(folder, f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
+        time.sleep(300)
+
+    try:
+        elastic.spawn(hang, 2, args=(sys.argv[1],))
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+"""
+
+
+def _start_and_wait_for_workers(script: Path, folder: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while len(list(folder.glob("pid-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.3)  # let the pid files be written completely
+    return proc
+
+
+@pytest.mark.timeout(150)
+def test_interrupting_or_killing_the_caller_leaves_no_worker(tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(INTERRUPTED))
+
+    # Ctrl-C (SIGINT) reaches the caller only: KeyboardInterrupt after every worker is stopped.
+    folder = tmp_path / "sigint"
+    folder.mkdir()
+    proc = _start_and_wait_for_workers(script, folder)
+    pids = _pids_in(folder)
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "workers did not start"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip().splitlines()[-1] == "KeyboardInterrupt"
+    assert [p for p in pids if _is_worker(p)] == []
+
+    # The caller killed outright (a notebook kernel restart): the workers die with it.
+    folder = tmp_path / "sigkill"
+    folder.mkdir()
+    proc = _start_and_wait_for_workers(script, folder)
+    pids = _pids_in(folder)
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "workers did not start"
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_is_worker(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _is_worker(p)] == []
+    _assert_no_workers_left()
+
+
+def test_bad_arguments_fail_before_any_process_starts() -> None:
+    with pytest.raises(TypeError, match="fn must be callable"):
+        elastic.spawn(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"nprocs=\.\.\.\) must be a positive int, got 0"):
+        elastic.spawn(print, 0)
+    with pytest.raises(TypeError, match="timeout"):
+        elastic.spawn(print, 2, timeout="soon")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_restarts"):
+        elastic.spawn(print, 2, max_restarts=-1)
+    with pytest.raises(TypeError, match="kwargs"):
+        elastic.spawn(print, 2, kwargs=[1])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="could not pickle"):
+        elastic.spawn(print, 2, args=(threading.Lock(),))
+    assert _children() == []
