@@ -1,67 +1,96 @@
-"""Moving tensors: large ones straight into their storage, small ones through two reused buckets.
+"""Moving tensors: large ones straight into their storage, small ones through a few reused buckets.
 
-Both sides derive the same plan from the source's metadata. Tensors the source marks `direct` (contiguous,
-on the communication device, at least `DIRECT_BYTES`) are broadcast as they are: the receiver's own tensor
-is the destination when it has the same shape, dtype and device, so nothing is copied or pickled. All other
-tensors form one byte stream cut into buckets of at most `BUCKET_BYTES`; while bucket k travels, the
-source packs bucket k+1 and the receiver unpacks bucket k-1 (double buffering), so the receiver never holds
-more than two buckets of extra memory. The bucket buffers are kept between calls: fresh buffers would cost
-page faults on every sync.
+Both sides derive the same plan from the source's metadata. Tensors the source marks `direct` (plain
+contiguous tensors on the communication device of at least `DIRECT_BYTES`) are broadcast as they are: the
+receiver's own tensor is the destination when it has the same shape, dtype and device, so nothing is
+copied or pickled. All other tensors form one byte stream cut into buckets of at most `BUCKET_BYTES`.
+`IN_FLIGHT` buckets travel at once: while they do, the source packs the next one and the receiver unpacks
+the oldest, so the receiver never holds more than `IN_FLIGHT * BUCKET_BYTES` of extra memory (plus one
+temporary for a tensor it cannot take in place, e.g. a non-contiguous one). The bucket buffers are kept
+between calls: fresh buffers would cost page faults on every sync.
+
+Packing and unpacking run with torch's intra-op pool limited to one thread: on a small machine its
+threads would otherwise fight the backend's communication threads for the cores.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from ._comm import Comm, fault_point
 from ._tree import TensorMeta
 
-__all__ = ["BUCKET_BYTES", "DIRECT_BYTES", "Bucket", "plan_buckets", "receive_tensors", "send_tensors"]
+__all__ = [
+    "BUCKET_BYTES",
+    "DIRECT_BYTES",
+    "IN_FLIGHT",
+    "Bucket",
+    "Segment",
+    "byte_view",
+    "cached_bytes",
+    "is_direct",
+    "plan_buckets",
+    "receive_tensors",
+    "release_buffers",
+    "send_tensors",
+]
 
-#: Upper bound of one coalescing bucket. Two are in use at a time, so a receiver's extra memory during a
-#: transfer is at most ``2 * BUCKET_BYTES`` (plus one temporary for a tensor it cannot take in place).
+#: Upper bound of one coalescing bucket, in bytes. Read at call time.
 BUCKET_BYTES = 16 * 2**20
-#: Contiguous tensors on the communication device at least this large are broadcast on their own,
-#: straight into the receiver's storage.
+#: Plain contiguous tensors on the communication device at least this large are broadcast on their own,
+#: straight into the receiver's storage. Read at call time.
 DIRECT_BYTES = 1 * 2**20
+#: Buckets travelling at once, each in its own reused buffer: a receiver's extra memory during a transfer
+#: is at most ``IN_FLIGHT * BUCKET_BYTES`` (plus one temporary for a tensor it cannot take in place).
+IN_FLIGHT = 2
 
 
-@attrs.frozen
-class Segment:
-    """Bytes ``[offset, offset + length)`` of tensor `index` sit at `at` in the bucket."""
+class Segment(NamedTuple):
+    """Bytes ``[offset, offset + length)`` of tensor number `tensor` sit at byte `at` of their bucket."""
 
-    index: int
+    tensor: int
     offset: int
     length: int
     at: int
 
 
-@attrs.frozen
-class Bucket:
+class Bucket(NamedTuple):
+    """`size` bytes made of `segments`, in stream order."""
+
     size: int
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None) -> list[Bucket]:
+def _nbytes(meta: TensorMeta) -> int:
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def plan_buckets(
+    metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None
+) -> list[Bucket]:
     """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes` (default: the
-    module's `BUCKET_BYTES`, read at call time so tests can shrink it)."""
+    module's `BUCKET_BYTES`, read at call time). A tensor larger than the room left in a bucket continues
+    in the next one; empty tensors have no segment."""
     if bucket_bytes is None:
         bucket_bytes = BUCKET_BYTES
+    if bucket_bytes < 1:
+        msg = f"bucket_bytes must be at least 1, got {bucket_bytes}"
+        raise ValueError(msg) from None
     buckets: list[Bucket] = []
     segments: list[Segment] = []
     fill = 0
     for i, meta in enumerate(metas):
         if direct[i]:
             continue
-        left, offset = meta.nbytes, 0
+        left, offset = _nbytes(meta), 0
         while left > 0:
             take = min(left, bucket_bytes - fill)
             segments.append(Segment(i, offset, take, fill))
@@ -76,37 +105,64 @@ def plan_buckets(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int 
     return buckets
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage bytes are its values (contiguous, no lazy conjugate or negation)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
 def is_direct(tensor: torch.Tensor, device: torch.device) -> bool:
     """Whether the source broadcasts `tensor` on its own (see `DIRECT_BYTES`)."""
     return (
-        tensor.device == device
-        and tensor.is_contiguous()
-        and tensor.numel() * tensor.element_size() >= DIRECT_BYTES
+        tensor.device == device and tensor.numel() * tensor.element_size() >= DIRECT_BYTES and _plain(tensor)
     )
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's storage (0-d and empty tensors included)."""
+    """A flat uint8 view of a contiguous tensor's bytes (0-d, empty, bool, complex included).
+
+    Writing to the view writes the tensor. Raises `ValueError` for a tensor whose bytes are not its values
+    in order (non-contiguous, or a lazy conjugate/negative view): copy it first.
+    """
+    if not _plain(tensor):
+        msg = (
+            f"byte_view needs a contiguous tensor without lazy conjugation or negation, got one of shape "
+            f"{tuple(tensor.shape)} and strides {tensor.stride()}; pass tensor.contiguous() (or "
+            "resolve_conj()/resolve_neg()) instead"
+        )
+        raise ValueError(msg) from None
     flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
     if flat.dtype == torch.uint8:
         return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
     return flat.view(torch.uint8)
 
+
+# -----------------------------------------------------------------------------------------------------------
+# Reused bucket buffers
 
 _cache_lock = threading.Lock()
 _buffers: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _bucket_buffers(device: torch.device, size: int) -> list[torch.Tensor]:
-    """Two uint8 buffers of at least `size` bytes on `device`, reused across calls."""
+def _take_buffers(device: torch.device, size: int, count: int) -> list[torch.Tensor]:
+    """`count` uint8 buffers of at least `size` bytes on `device`, taken from the cache when it has them.
+
+    A transfer owns its buffers until `_return_buffers`, so two transfers in different threads never
+    share one.
+    """
     with _cache_lock:
-        bufs = _buffers.get(device)
-        if bufs is None or bufs[0].numel() < size:
-            bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        cached = _buffers.pop(device, [])
+    bufs = [b for b in cached if b.numel() >= size][:count]
+    while len(bufs) < count:
+        bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
+    return bufs
+
+
+def _return_buffers(device: torch.device, bufs: list[torch.Tensor]) -> None:
+    with _cache_lock:
+        if device not in _buffers or sum(b.numel() for b in bufs) > sum(b.numel() for b in _buffers[device]):
             _buffers[device] = bufs
-        return bufs
 
 
 def cached_bytes() -> int:
@@ -122,16 +178,29 @@ def release_buffers() -> None:
 
 
 @contextmanager
-def _few_threads() -> Any:
-    """Keep torch's intra-op pool out of the way of the communication threads while packing."""
+def _quiet() -> Iterator[None]:
+    """No autograd, and torch's intra-op pool kept out of the communication threads' way."""
     before = torch.get_num_threads()
     if before > 1:
         torch.set_num_threads(1)
     try:
-        yield
+        with torch.no_grad():
+            yield
     finally:
         if before > 1:
             torch.set_num_threads(before)
+
+
+def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair, in one call."""
+    if len(dests) == 1:
+        dests[0].copy_(srcs[0])
+    elif dests:
+        torch._foreach_copy_(dests, srcs)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Source
 
 
 def send_tensors(
@@ -145,22 +214,39 @@ def send_tensors(
     """The source's half of the tensor transfer (never writes to `tensors`).
 
     A local failure while packing is passed to `on_error` and the remaining collectives still run (with
-    whatever the buffer holds), so the receivers are not left waiting; the failure is reported at commit.
+    whatever the buffers hold), so the receivers are not left waiting; the failure is reported at commit.
+    A communication failure raises `SyncError` (from `comm.wait`).
     """
     gsrc = comm.global_rank(src)
     buckets = plan_buckets(metas, direct)
-    sources: dict[int, torch.Tensor] = {}
+    depth = max(1, IN_FLIGHT)
     failed = False
+    current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
 
     def source_bytes(i: int) -> torch.Tensor:
-        if i not in sources:
-            for j in [j for j in sources if j < i]:  # a contiguous copy is needed only while it is packed
-                del sources[j]
-            sources[i] = byte_view(tensors[i].contiguous())
-        return sources[i]
+        nonlocal current
+        tensor = tensors[i]
+        if _plain(tensor):
+            return byte_view(tensor)
+        if current is None or current[0] != i:  # one copy at a time: segments come in tensor order
+            current = (i, byte_view(tensor.resolve_conj().resolve_neg().contiguous()))
+        return current[1]
 
-    with _few_threads():
-        directs = []
+    def pack(buf: torch.Tensor, bucket: Bucket) -> None:
+        pieces = []
+        for seg in bucket.segments:
+            view = source_bytes(seg.tensor)
+            if seg.offset or seg.length != view.numel():
+                view = view[seg.offset : seg.offset + seg.length]
+            pieces.append(view)
+        if all(p.device == buf.device for p in pieces):
+            torch.cat(pieces, out=buf)
+        else:
+            for seg, piece in zip(bucket.segments, pieces):
+                buf[seg.at : seg.at + seg.length].copy_(piece)
+
+    with _quiet():
+        works: list[tuple[Any, str]] = []
         for n, i in enumerate(k for k, d in enumerate(direct) if d):
             phase = f"direct {n}"
             try:
@@ -168,29 +254,32 @@ def send_tensors(
             except Exception as exc:
                 failed = True
                 on_error(exc)
-            directs.append((phase, comm.issue(phase, dist.broadcast, tensors[i], gsrc)))
+            works.append((comm.issue(phase, dist.broadcast, tensors[i], gsrc), phase))
         if buckets:
-            bufs = _bucket_buffers(comm.device, max(b.size for b in buckets))
+            bufs = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
             pending: deque[tuple[Any, str]] = deque()
             for k, bucket in enumerate(buckets):
                 phase = f"bucket {k}"
-                if len(pending) == 2:
+                if len(pending) == len(bufs):
                     comm.wait(*pending.popleft())
-                buf = bufs[k % 2][: bucket.size]
+                buf = bufs[k % len(bufs)][: bucket.size]
                 if not failed:
                     try:
                         fault_point(phase, comm.rank)
-                        for seg in bucket.segments:
-                            piece = source_bytes(seg.index)[seg.offset : seg.offset + seg.length]
-                            buf[seg.at : seg.at + seg.length].copy_(piece)
+                        pack(buf, bucket)
                     except Exception as exc:
                         failed = True
                         on_error(exc)
                 pending.append((comm.issue(phase, dist.broadcast, buf, gsrc), phase))
             while pending:
                 comm.wait(*pending.popleft())
-        for phase, work in directs:
+            _return_buffers(comm.device, bufs)
+        for work, phase in works:
             comm.wait(work, phase)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Receivers
 
 
 def receive_tensors(
@@ -201,60 +290,115 @@ def receive_tensors(
     metas: list[TensorMeta],
     on_error: Callable[[BaseException], None],
 ) -> None:
-    """The receivers' half: writes the source's tensors into `targets`.
+    """The receivers' half: writes the source's tensors into `targets` (in place: storage kept).
 
-    A local failure while writing (not a communication failure) is passed to `on_error` and the transfer
-    goes on without writing, so that every rank stays in step and learns of it at commit.
+    A target whose bytes cannot be written directly (non-contiguous, another device, a lazy conjugate)
+    goes through one temporary at a time, copied into it once complete. A local failure while writing
+    (not a communication failure) is passed to `on_error` and the transfer goes on without writing, so
+    that every rank stays in step and learns of it at commit. A communication failure raises `SyncError`.
     """
     gsrc = comm.global_rank(src)
     buckets = plan_buckets(metas, direct)
-    staged: dict[int, torch.Tensor] = {}  # contiguous stand-ins for targets that cannot take bytes directly
+    depth = max(1, IN_FLIGHT)
     failed = False
 
-    def dest_bytes(i: int) -> torch.Tensor:
-        target = targets[i]
-        if target.is_contiguous():
-            return byte_view(target)
-        if i not in staged:
-            staged[i] = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-        return byte_view(staged[i])
+    def fail(exc: BaseException) -> None:
+        nonlocal failed
+        failed = True
+        on_error(exc)
 
-    with _few_threads(), torch.no_grad():
-        directs = []
-        for n, i in enumerate(k for k, d in enumerate(direct) if d):
-            target = targets[i]
-            if not (target.is_contiguous() and target.device == comm.device):
-                staged[i] = torch.empty(target.shape, dtype=target.dtype, device=comm.device)
-                target = staged[i]
-            directs.append((f"direct {n}", comm.issue(f"direct {n}", dist.broadcast, target.detach(), gsrc)))
-        if buckets:
-            bufs = _bucket_buffers(comm.device, max(b.size for b in buckets))
-            pending: deque[tuple[int, Any]] = deque()
-            for k in range(min(2, len(buckets))):
-                pending.append((k, comm.issue(f"bucket {k}", dist.broadcast, bufs[k % 2][: buckets[k].size], gsrc)))
-            while pending:
-                k, work = pending.popleft()
-                phase = f"bucket {k}"
-                comm.wait(work, phase)
-                buf = bufs[k % 2]
-                if not failed:
-                    try:
-                        fault_point(phase, comm.rank)
-                        for seg in buckets[k].segments:
-                            dest_bytes(seg.index)[seg.offset : seg.offset + seg.length].copy_(
-                                buf[seg.at : seg.at + seg.length]
-                            )
-                    except Exception as exc:
-                        failed = True
-                        on_error(exc)
-                nxt = k + 2
-                if nxt < len(buckets):
-                    pending.append((nxt, comm.issue(f"bucket {nxt}", dist.broadcast, buf[: buckets[nxt].size], gsrc)))
-        for phase, work in directs:
+    with _quiet():
+        # Directs: into the target itself, or into one temporary at a time.
+        works: list[tuple[Any, str]] = []
+        staged: tuple[int, torch.Tensor, Any, str] | None = None
+
+        def finish_staged() -> None:
+            nonlocal staged
+            if staged is None:
+                return
+            i, tmp, work, phase = staged
+            staged = None
             comm.wait(work, phase)
-        if not failed:
+            if not failed:
+                try:
+                    targets[i].copy_(tmp)
+                except Exception as exc:
+                    fail(exc)
+
+        for n, i in enumerate(k for k, d in enumerate(direct) if d):
+            phase = f"direct {n}"
+            target = targets[i]
+            if not failed:
+                try:
+                    fault_point(phase, comm.rank)
+                except Exception as exc:
+                    fail(exc)
+            if target.device == comm.device and _plain(target):
+                works.append((comm.issue(phase, dist.broadcast, target.detach(), gsrc), phase))
+            else:
+                finish_staged()
+                tmp = torch.empty(target.shape, dtype=target.dtype, device=comm.device)
+                staged = (i, tmp, comm.issue(phase, dist.broadcast, tmp, gsrc), phase)
+
+        if buckets:
+            _receive_buckets(comm, gsrc, buckets, targets, metas, depth, lambda: failed, fail)
+        finish_staged()
+        for work, phase in works:
+            comm.wait(work, phase)
+
+
+def _receive_buckets(
+    comm: Comm,
+    gsrc: int,
+    buckets: list[Bucket],
+    targets: list[torch.Tensor],
+    metas: list[TensorMeta],
+    depth: int,
+    failed: Callable[[], bool],
+    fail: Callable[[BaseException], None],
+) -> None:
+    bufs = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+    temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
+
+    def unpack(buf: torch.Tensor, bucket: Bucket) -> None:
+        nonlocal temp
+        dests: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for seg in bucket.segments:
+            target = targets[seg.tensor]
+            piece = buf[seg.at : seg.at + seg.length]
+            if target.device == buf.device and _plain(target):
+                view = byte_view(target)
+                dests.append(
+                    view if seg.length == view.numel() else view[seg.offset : seg.offset + seg.length]
+                )
+                srcs.append(piece)
+                continue
+            if temp is None or temp[0] != seg.tensor:
+                tmp = torch.empty(target.shape, dtype=target.dtype, device=buf.device)
+                temp = (seg.tensor, tmp, byte_view(tmp))
+            temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
+            if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
+                target.copy_(temp[1])
+                temp = None
+        _copy_all(dests, srcs)
+
+    pending: deque[tuple[int, Any]] = deque()
+    for k in range(len(bufs)):
+        pending.append((k, comm.issue(f"bucket {k}", dist.broadcast, bufs[k][: buckets[k].size], gsrc)))
+    while pending:
+        k, work = pending.popleft()
+        phase = f"bucket {k}"
+        comm.wait(work, phase)
+        buf = bufs[k % len(bufs)]
+        if not failed():
             try:
-                for i, tmp in staged.items():
-                    targets[i].detach().copy_(tmp)
+                fault_point(phase, comm.rank)
+                unpack(buf[: buckets[k].size], buckets[k])
             except Exception as exc:
-                on_error(exc)
+                temp = None
+                fail(exc)
+        nxt = k + len(bufs)
+        if nxt < len(buckets):
+            pending.append((nxt, comm.issue(f"bucket {nxt}", dist.broadcast, buf[: buckets[nxt].size], gsrc)))
+    _return_buffers(comm.device, bufs)

@@ -1,0 +1,271 @@
+"""How fast does `elastic.sync` move a state, against the plain torch.distributed ways to move it?
+
+Two gloo ranks on this machine. Rank 0 holds the more tenured state, rank 1 a state of the same shapes,
+so every sync writes in place; `force=True` makes every round move all the bytes. For each state, in the
+same run and interleaved round by round (the order rotates), it times:
+
+- floor: one `dist.broadcast` of a flat, preallocated buffer of the same bytes (no Python, no packing);
+- `elastic.sync(state, force=True)`: election, object payload, tensors, commit;
+- one `dist.broadcast` per tensor (what a hand-written `sync()` does);
+- `dist.broadcast_object_list` of the tensors (pickled);
+- `torch.distributed._broadcast_coalesced`, torch's C++ bucketed broadcast that DDP uses to align
+  replicas, with DDP's bucket size.
+
+A round's time is the slower rank's, from a barrier to the end of the call. Each method is printed as the
+median of its per-round ratios to that round's floor. The receiver's peak extra memory is the rise of its
+high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS before the call; for sync the
+bucket buffers the transport keeps between calls are added, since they exist only for sync.
+
+    python benchmarks/bench_sync.py            # 128 MiB states, 7 rounds
+    python benchmarks/bench_sync.py --quick    # 16 MiB states, 3 rounds (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import elastic
+from elastic import _transport
+
+MiB = 2**20
+#: DDP's default `broadcast_bucket_size` for `_sync_module_states`.
+DDP_BUCKET_BYTES = 250 * MiB
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class BenchState:
+    step: int
+    tensors: list[torch.Tensor]
+
+
+def sizes_for(total_bytes: int, count: int) -> list[int]:
+    """`count` fp32 element counts summing to `total_bytes` (the first ones one element larger)."""
+    elems = total_bytes // 4
+    base, extra = divmod(elems, count)
+    return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Receiver memory from /proc (Linux)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_high_water() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+_libc = ctypes.CDLL(None)
+
+
+def trim_heap() -> None:
+    """Give free heap pages back to the OS, so that reusing them shows in the high-water mark."""
+    with contextlib.suppress(AttributeError):  # not glibc
+        _libc.malloc_trim(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The methods
+
+
+def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, Callable[[], None]]:
+    world = dist.group.WORLD
+
+    def floor() -> None:
+        dist.broadcast(flat, 0)
+
+    def sync() -> None:
+        report = elastic.sync(state, force=True)
+        if report.src != 0 or report.tensor_bytes != flat.numel():
+            msg = f"unexpected sync report {report}"
+            raise RuntimeError(msg)
+
+    def per_tensor() -> None:
+        for t in state.tensors:
+            dist.broadcast(t, 0)
+
+    def object_list() -> None:
+        objects: list[object] = [state.tensors if rank == 0 else None]
+        dist.broadcast_object_list(objects, 0)
+
+    def coalesced() -> None:
+        dist._broadcast_coalesced(world, state.tensors, DDP_BUCKET_BYTES, 0)
+
+    return {
+        "floor": floor,
+        "sync": sync,
+        "per_tensor": per_tensor,
+        "object_list": object_list,
+        "coalesced": coalesced,
+    }
+
+
+LABELS = {
+    "floor": "one `broadcast` of a flat buffer (floor)",
+    "sync": "`elastic.sync(state, force=True)`",
+    "per_tensor": "one `broadcast` per tensor",
+    "object_list": "`broadcast_object_list` of the tensors",
+    "coalesced": "`_broadcast_coalesced` (DDP, 250 MiB buckets)",
+}
+
+
+def time_one(fn: Callable[[], None], rank: int, is_sync: bool) -> tuple[float, float]:
+    """(seconds of the slower rank, receiver's peak extra bytes)."""
+    gc.collect()
+    trim_heap()
+    reset_high_water()
+    rss = _status_kib("VmRSS")
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    extra = (_status_kib("VmHWM") - rss) * 1024.0
+    if is_sync:
+        extra += _transport.cached_bytes()
+    mine = torch.tensor([seconds, extra], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return max(float(r[0]) for r in rows), float(rows[1][1])
+
+
+def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_wanted: list[str]) -> dict:
+    sizes = sizes_for(total, count)
+    gen = torch.Generator().manual_seed(1234)
+    make = (lambda n: torch.randn(n, generator=gen)) if rank == 0 else torch.zeros
+    tensors = [make(n) for n in sizes]
+    state = BenchState(step=1 if rank == 0 else 0, tensors=tensors)
+    flat = torch.ones(total, dtype=torch.uint8)  # touched: no page faults inside the floor
+    ids = [t.data_ptr() for t in tensors]
+    _transport.release_buffers()  # this case's sync allocates (and then keeps) its own
+    methods = {k: v for k, v in make_methods(state, flat, rank).items() if k in methods_wanted}
+    order = list(methods)
+    times: dict[str, list[float]] = {k: [] for k in order}
+    mem: dict[str, list[float]] = {k: [] for k in order}
+    for r in range(rounds + 1):  # round 0 warms up (connections, bucket buffers, allocator)
+        turn = order[r % len(order) :] + order[: r % len(order)]
+        for key in turn:
+            seconds, extra = time_one(methods[key], rank, key == "sync")
+            if r > 0:
+                times[key].append(seconds)
+                mem[key].append(extra)
+    # The sync wrote the source's values in place on the receiver.
+    if rank == 1:
+        ref = [torch.randn(n, generator=gen) for n in sizes]
+        if [t.data_ptr() for t in state.tensors] != ids or not all(
+            torch.equal(a, b) for a, b in zip(state.tensors, ref)
+        ):
+            msg = "receiver's tensors are not the source's values written in place"
+            raise RuntimeError(msg)
+    return {"name": name, "total": total, "count": count, "times": times, "mem": mem}
+
+
+def worker(rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int, methods: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    try:
+        results = [run_case(rank, *case, rounds, methods) for case in cases]
+        if rank == 0:
+            report(results, rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+
+
+def report(results: list[dict], rounds: int) -> None:
+    bucket = _transport.BUCKET_BYTES
+    print(
+        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, BUCKET_BYTES {bucket // MiB} MiB, DIRECT_BYTES "
+        f"{_transport.DIRECT_BYTES / MiB:g} MiB, median of {rounds} interleaved rounds\n"
+    )
+    print("| state | method | median ms | x floor | receiver peak extra MiB |")
+    print("|---|---|---:|---:|---:|")
+    verdicts = []
+    for res in results:
+        times = res["times"]
+        floor = times["floor"]
+        state = f"{res['total'] / MiB:g} MiB in {res['count']:,} tensors"
+        ratios = {}
+        for key, ts in times.items():
+            ratios[key] = statistics.median(t / f for t, f in zip(ts, floor))
+            extra = statistics.median(res["mem"][key]) / MiB
+            mem = f"{extra:.1f}" + (f" ({extra * MiB / bucket:.2f} buckets)" if key == "sync" else "")
+            print(
+                f"| {state} | {LABELS[key]} | {statistics.median(ts) * 1e3:.1f} | {ratios[key]:.2f} | {mem} |"
+            )
+        if "sync" in ratios:
+            peak = max(res["mem"]["sync"]) / bucket
+            line = f"{state}: sync {ratios['sync']:.2f}x floor"
+            if "coalesced" in ratios:
+                vs = statistics.median(s / c for s, c in zip(times["sync"], times["coalesced"]))
+                line += f", {vs:.2f}x _broadcast_coalesced"
+            line += f", receiver peak extra memory (worst round) {peak:.2f} buckets"
+            verdicts.append(line)
+    print()
+    for line in verdicts:
+        print(line)
+    print("targets: many tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced; few tensors <= 1.3x floor;")
+    print("         peak extra memory <= 2 buckets")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 MiB states, 3 rounds: a smoke run")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 7, quick 3)")
+    parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
+    parser.add_argument(
+        "--methods",
+        default="floor,sync,per_tensor,object_list,coalesced",
+        help="comma-separated subset of: floor,sync,per_tensor,object_list,coalesced (floor is always kept)",
+    )
+    parser.add_argument("--case", choices=["many", "few", "both"], default="both")
+    args = parser.parse_args()
+    mib = args.mib or (16 if args.quick else 128)
+    rounds = args.rounds or (3 if args.quick else 7)
+    many = 250 if args.quick else 2000
+    cases = []
+    if args.case in ("many", "both"):
+        cases.append(("many", mib * MiB, many))
+    if args.case in ("few", "both"):
+        cases.append(("few", mib * MiB, 16))
+    methods = ["floor", *[m for m in args.methods.split(",") if m and m != "floor"]]
+    unknown = set(methods) - set(LABELS)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}")
+    mp.spawn(worker, args=(free_port(), cases, rounds, methods), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

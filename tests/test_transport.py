@@ -1,0 +1,319 @@
+"""The tensor transport: bucket plans, byte views, the direct rule, and one grouped 2-rank transfer."""
+
+from __future__ import annotations
+
+import struct
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import elastic._transport as transport
+from dist_harness import run_on_ranks
+from elastic._transport import Bucket, byte_view, is_direct, plan_buckets
+from elastic._tree import TensorMeta
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int64,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def _meta(i: int, shape: tuple[int, ...], dtype: torch.dtype) -> TensorMeta:
+    return TensorMeta(("t", i), shape, dtype, "cpu")
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    n = 1
+    for d in meta.shape:
+        n *= d
+    return n * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucket], bound: int) -> None:
+    """Every non-direct tensor's bytes exactly once, in stream order, in buckets of at most `bound`."""
+    stream = [(seg.tensor, seg.offset, seg.length) for b in buckets for seg in b.segments]
+    expected_order = [i for i, m in enumerate(metas) if not direct[i] and _nbytes(m) > 0]
+    seen: list[int] = []
+    for index, _, _ in stream:
+        if not seen or seen[-1] != index:
+            seen.append(index)
+    assert seen == expected_order  # in order, each tensor in one run of segments
+    for i in expected_order:
+        pieces = [(o, n) for j, o, n in stream if j == i]
+        at = 0
+        for offset, length in pieces:
+            assert offset == at and length > 0
+            at += length
+        assert at == _nbytes(metas[i])
+    for k, bucket in enumerate(buckets):
+        assert 0 < bucket.size <= bound
+        at = 0
+        for seg in bucket.segments:
+            assert seg.at == at
+            at += seg.length
+        assert at == bucket.size
+        if k < len(buckets) - 1:
+            assert bucket.size == bound  # only the last bucket may be partly filled
+
+
+@st.composite
+def _plans(draw: Any) -> tuple[list[TensorMeta], list[bool], int]:
+    n = draw(st.integers(0, 12))
+    metas = [
+        _meta(i, tuple(draw(st.lists(st.integers(0, 9), max_size=3))), draw(st.sampled_from(DTYPES)))
+        for i in range(n)
+    ]
+    direct = [draw(st.booleans()) for _ in range(n)]
+    return metas, direct, draw(st.integers(1, 300))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_plans())
+def test_plan_buckets_covers_every_byte_once_in_order(plan: tuple[list[TensorMeta], list[bool], int]) -> None:
+    metas, direct, bound = plan
+    _check_plan(metas, direct, plan_buckets(metas, direct, bound), bound)
+
+
+def test_plan_buckets_large_tensor_spans_buckets_and_directs_are_skipped() -> None:
+    metas = [
+        _meta(0, (10,), torch.float32),
+        _meta(1, (250,), torch.float32),
+        _meta(2, (1000,), torch.int8),
+        _meta(3, (0,), torch.float64),
+        _meta(4, (), torch.float64),
+    ]
+    direct = [False, False, True, False, False]
+    buckets = plan_buckets(metas, direct, 400)
+    _check_plan(metas, direct, buckets, 400)
+    assert [b.size for b in buckets] == [400, 400, 248]
+    assert [s.tensor for s in buckets[0].segments] == [0, 1]
+    assert [s.tensor for s in buckets[1].segments] == [1]
+    assert [(s.tensor, s.offset, s.length, s.at) for s in buckets[2].segments] == [
+        (1, 760, 240, 0),
+        (4, 0, 8, 240),
+    ]
+    assert plan_buckets(metas, [True] * 5, 400) == []
+    assert plan_buckets([], [], 400) == []
+
+
+def test_plan_buckets_reads_the_module_bound_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    metas = [_meta(0, (100,), torch.float32)]
+    monkeypatch.setattr(transport, "BUCKET_BYTES", 64)
+    assert [b.size for b in plan_buckets(metas, [False])] == [64] * 6 + [16]
+    with pytest.raises(ValueError, match="bucket_bytes must be at least 1, got 0"):
+        plan_buckets(metas, [False], 0)
+
+
+def test_byte_view_of_every_kind_of_tensor() -> None:
+    zero_d = torch.tensor(1.5)
+    v = byte_view(zero_d)
+    assert v.dtype == torch.uint8 and bytes(v.tolist()) == struct.pack("<f", 1.5)
+    assert v.data_ptr() == zero_d.data_ptr()
+
+    empty = torch.empty(0, 3)
+    assert byte_view(empty).numel() == 0 and byte_view(empty).dtype == torch.uint8
+
+    flags = torch.tensor([True, False, True])
+    assert byte_view(flags).tolist() == [1, 0, 1]
+
+    small = torch.tensor([-1, 2, -128], dtype=torch.int8)
+    assert byte_view(small).tolist() == [255, 2, 128]
+
+    half = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    hv = byte_view(half)
+    assert hv.numel() == 4
+    hv[:2].copy_(byte_view(torch.tensor([3.0], dtype=torch.bfloat16)))  # writing the view writes the tensor
+    assert half.tolist() == [3.0, -2.0]
+
+    c = torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64)
+    out = torch.zeros(2, dtype=torch.complex64)
+    byte_view(out).copy_(byte_view(c))
+    assert torch.equal(out, c) and byte_view(c).numel() == 16
+
+    raw = torch.arange(6, dtype=torch.uint8).reshape(2, 3)
+    assert byte_view(raw).data_ptr() == raw.data_ptr() and byte_view(raw).tolist() == [0, 1, 2, 3, 4, 5]
+
+    param = torch.nn.Parameter(torch.ones(3))
+    assert byte_view(param).data_ptr() == param.data_ptr() and not byte_view(param).requires_grad
+
+
+def test_byte_view_rejects_tensors_whose_bytes_are_not_their_values() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 3\) and strides \(1, 2\).*tensor.contiguous\(\)"):
+        byte_view(torch.zeros(3, 2).t())
+    with pytest.raises(ValueError, match="lazy conjugation"):
+        byte_view(torch.zeros(2, dtype=torch.complex64).conj())
+
+
+def test_is_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(transport, "DIRECT_BYTES", 400)
+    assert is_direct(torch.zeros(100), cpu)  # 400 bytes: at the threshold
+    assert not is_direct(torch.zeros(99), cpu)
+    assert not is_direct(torch.zeros(20, 10).t(), cpu)  # large but not contiguous
+    assert not is_direct(torch.zeros(100), torch.device("cuda", 0))  # not on the communication device
+    assert not is_direct(torch.zeros(100, dtype=torch.complex64).conj(), cpu)
+    monkeypatch.setattr(transport, "DIRECT_BYTES", 4000)
+    assert not is_direct(torch.zeros(100), cpu)
+
+
+def test_buffers_are_reused_and_can_be_released() -> None:
+    transport.release_buffers()
+    cpu = torch.device("cpu")
+    first = transport._take_buffers(cpu, 100, 2)
+    transport._return_buffers(cpu, first)
+    assert transport.cached_bytes() == 200
+    again = transport._take_buffers(cpu, 80, 2)  # smaller needs reuse the cached buffers
+    assert [b.data_ptr() for b in again] == [b.data_ptr() for b in first]
+    assert transport.cached_bytes() == 0  # owned by the transfer until it returns them
+    transport._return_buffers(cpu, again)
+    bigger = transport._take_buffers(cpu, 300, 2)
+    assert all(b.numel() == 300 for b in bigger)
+    transport._return_buffers(cpu, bigger)
+    assert transport.cached_bytes() == 600
+    transport.release_buffers()
+    assert transport.cached_bytes() == 0
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Two real gloo ranks
+
+
+def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(source tensors, receiver targets) with DIRECT_BYTES = 1024 and BUCKET_BYTES = 256."""
+    g = torch.Generator().manual_seed(7)
+    src = [
+        torch.randn(600, generator=g),  # 0: direct, in place
+        torch.randn(10, generator=g),  # 1: bucketed
+        torch.randn(7, generator=g).to(torch.bfloat16),  # 2
+        torch.randint(-128, 127, (5,), generator=g, dtype=torch.int8),  # 3
+        torch.randint(0, 2, (9,), generator=g).bool(),  # 4
+        torch.randn(3, generator=g, dtype=torch.complex64),  # 5
+        torch.randn((), generator=g, dtype=torch.float64),  # 6: 0-d
+        torch.empty(0, 4),  # 7: empty
+        torch.randint(-(2**40), 2**40, (100,), generator=g),  # 8: 800 bytes, spans four buckets
+        torch.randn(5, 6, generator=g).t(),  # 9: non-contiguous source
+        torch.randn(20, 8, generator=g),  # 10: non-contiguous receiver target, spans buckets
+        torch.randn(40, 30, generator=g).t(),  # 11: large but non-contiguous source: bucketed
+        torch.randn(30, 40, generator=g),  # 12: direct at the source, non-contiguous target: staged
+        torch.randn(30, 40, generator=g),  # 13: the same, right after (one temporary at a time)
+        torch.randn(4, generator=g, dtype=torch.complex64).conj(),  # 14: lazy conjugate at the source
+        torch.randn(512, generator=g, dtype=torch.float16),  # 15: direct, exactly DIRECT_BYTES
+        torch.randn(13, generator=g, dtype=torch.float16),  # 16: odd byte count
+    ]
+    if rank == 0:
+        return src, src
+    targets = [torch.zeros_like(t.resolve_conj(), memory_format=torch.contiguous_format) for t in src]
+    targets[10] = torch.zeros(8, 20).t()
+    targets[12] = torch.zeros(40, 30).t()
+    targets[13] = torch.zeros(40, 30).t()
+    return src, targets
+
+
+def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import elastic._transport as transport
+    from elastic._comm import Comm
+
+    transport.BUCKET_BYTES = 256
+    transport.DIRECT_BYTES = 1024
+    comm = Comm(None, timedelta(seconds=20), "test")
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+
+    def run(tag: str, src: list[torch.Tensor], targets: list[torch.Tensor]) -> list[str]:
+        errors: list[str] = []
+        metas = [TensorMeta(("t", i), tuple(t.shape), t.dtype, "cpu") for i, t in enumerate(src)]
+        direct = [is_direct(t, cpu) for t in src]
+        if rank == 0:
+            transport.send_tensors(comm, 0, src, direct, metas, lambda e: errors.append(repr(e)))
+        else:
+            transport.receive_tensors(comm, 0, targets, direct, metas, lambda e: errors.append(repr(e)))
+        out[f"{tag} direct"] = direct
+        return errors
+
+    for depth in (1, 2, 3):
+        transport.IN_FLIGHT = depth
+        src, targets = _tensors(rank)
+        before = [t.clone() for t in src]
+        ptrs = [t.data_ptr() for t in targets]
+        out[f"errors {depth}"] = run(f"depth {depth}", src, targets)
+        if rank == 0:
+            out[f"source unchanged {depth}"] = [
+                i
+                for i, (a, b) in enumerate(zip(src, before))
+                if not torch.equal(a.resolve_conj(), b.resolve_conj())
+            ]
+        else:
+            out[f"wrong values {depth}"] = [
+                i
+                for i, (t, s) in enumerate(zip(targets, src))
+                if t.dtype != s.dtype or not torch.equal(t, s.resolve_conj())
+            ]
+            out[f"moved storage {depth}"] = [
+                i for i, (t, p) in enumerate(zip(targets, ptrs)) if t.data_ptr() != p
+            ]
+            out[f"noncontiguous kept {depth}"] = (
+                not targets[10].is_contiguous() and not targets[12].is_contiguous()
+            )
+    out["cached"] = [b.data_ptr() for b in transport._buffers[cpu]]
+    src, targets = _tensors(rank)
+    run("again", src, targets)
+    out["cached again"] = [b.data_ptr() for b in transport._buffers[cpu]]
+
+    # Local failures go to on_error; the collectives still run to the end on both sides.
+    for spec in ("1:bucket 1", "0:bucket 2", "1:direct 1"):
+        os.environ["ELASTIC_FAULT"] = spec
+        src, targets = _tensors(rank)
+        try:
+            out[f"fault {spec}"] = run(spec, src, targets)
+        finally:
+            del os.environ["ELASTIC_FAULT"]
+        if rank == 1:
+            out[f"fault {spec} bucket 0 written"] = torch.equal(targets[1], src[1])
+    # ...and afterwards the same ranks transfer correctly again.
+    src, targets = _tensors(rank)
+    out["after faults"] = run("after", src, targets)
+    out["after faults values"] = rank == 0 or all(
+        torch.equal(t, s.resolve_conj()) for t, s in zip(targets, src)
+    )
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_transfer_on_two_ranks() -> None:
+    source, receiver = run_on_ranks(_transfer_checks, 2)
+    direct = source["depth 2 direct"]
+    assert [i for i, d in enumerate(direct) if d] == [0, 12, 13, 15]
+    for depth in (1, 2, 3):
+        assert source[f"errors {depth}"] == [] and receiver[f"errors {depth}"] == []
+        assert source[f"source unchanged {depth}"] == []
+        assert receiver[f"wrong values {depth}"] == []
+        assert receiver[f"moved storage {depth}"] == []
+        assert receiver[f"noncontiguous kept {depth}"]
+    # the bucket buffers are reused from one transfer to the next (IN_FLIGHT 3: three of them)
+    assert len(receiver["cached"]) == 3 and receiver["cached again"] == receiver["cached"]
+    assert len(source["cached"]) == 3 and source["cached again"] == source["cached"]
+    # a receiver failing at bucket 1: it reports, keeps receiving, the source notices nothing
+    assert source["fault 1:bucket 1"] == []
+    assert len(receiver["fault 1:bucket 1"]) == 1 and "rank 1 at bucket 1" in receiver["fault 1:bucket 1"][0]
+    assert receiver["fault 1:bucket 1 bucket 0 written"]
+    # the source failing while packing bucket 2: it reports, still sends every bucket
+    assert len(source["fault 0:bucket 2"]) == 1 and "rank 0 at bucket 2" in source["fault 0:bucket 2"][0]
+    assert receiver["fault 0:bucket 2"] == []
+    # a receiver failing at a direct broadcast
+    assert source["fault 1:direct 1"] == []
+    assert len(receiver["fault 1:direct 1"]) == 1 and "rank 1 at direct 1" in receiver["fault 1:direct 1"][0]
+    assert source["after faults"] == [] and receiver["after faults"] == [] and receiver["after faults values"]
