@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import attrs
 import pytest
+import torch
 
 import elastic
 from elastic import WorkerError
@@ -260,36 +263,49 @@ def test_a_hung_worker_is_stopped_by_the_timeout(tmp_path: Path) -> None:
     _assert_no_workers_left(_pids_in(tmp_path))
 
 
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Counter:
+    weight: torch.Tensor = attrs.field(factory=lambda: torch.zeros(3))
+    step: int = 0
+
+
 def train_with_a_crash(folder: str) -> dict:
-    """Ten steps; a checkpoint every 4; on the first attempt rank 1 dies at step 6."""
+    """Ten steps with a checkpoint every 4; on the first attempt rank 1 dies at step 6."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    ckpt = Path(folder, "step.txt")
-    start = int(ckpt.read_text()) if ckpt.exists() else 0
-    step = start
-    while step < 10:
-        step += 1
-        dist.barrier()
-        if step % 4 == 0 and rank == 0:
-            tmp = ckpt.with_suffix(".tmp")
-            tmp.write_text(str(step))
-            os.replace(tmp, ckpt)
-        dist.barrier()
-        if attempt == 0 and rank == 1 and step == 6:
+    state = Counter()
+    report = elastic.load(state, folder)
+    resumed_from = state.step
+    while state.step < 10:
+        state.step += 1
+        state.weight += 1.0
+        if state.step % 4 == 0:
+            elastic.save(state, folder)
+        if attempt == 0 and rank == 1 and state.step == 6:
             os._exit(1)
-    return {"attempt": attempt, "resumed_from": start, "step": step}
+    dist.barrier()
+    return {
+        "attempt": attempt,
+        "source": report.source,
+        "resumed_from": resumed_from,
+        "step": state.step,
+        "weight": state.weight.tolist(),
+    }
 
 
 @pytest.mark.timeout(120)
 def test_max_restarts_restarts_the_group_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     results = elastic.spawn(train_with_a_crash, 2, args=(str(tmp_path),), max_restarts=2)
-    assert results == [{"attempt": 1, "resumed_from": 4, "step": 10}] * 2
+    expected = {"attempt": 1, "source": "checkpoint", "resumed_from": 4, "step": 10, "weight": [10.0] * 3}
+    assert results == [expected, expected]
     _assert_no_workers_left()
 
     # Without restarts the same crash is an error.
-    (tmp_path / "step.txt").unlink()
+    shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
     with pytest.raises(WorkerError, match="rank 1 exited with exit code 1") as info:
         elastic.spawn(train_with_a_crash, 2, args=(str(tmp_path),))
     assert info.value.rank == 1
@@ -369,3 +385,37 @@ def test_bad_arguments_fail_before_any_process_starts() -> None:
     with pytest.raises(TypeError, match="could not pickle"):
         elastic.spawn(print, 2, args=(threading.Lock(),))
     assert _children() == []
+
+
+def test_the_first_failure_is_a_silent_death_when_the_raising_rank_saw_it_dead(tmp_path: Path) -> None:
+    """Rank 1 killed by SIGKILL (out of memory), rank 0 then raised on the broken connection."""
+    import pickle
+    from types import SimpleNamespace
+
+    from elastic._spawn import _worker_error
+
+    for rank in range(2):
+        (tmp_path / f"pid-0-{rank}").write_text(str(10 + rank))
+    record = {
+        "dead_peers": [1],
+        "rank": 0,
+        "restart": 0,
+        "time": 5.0,
+        "type": "RuntimeError",
+        "message": "Connection closed by peer",
+        "traceback": "...",
+    }
+    (tmp_path / "error-0-0").write_bytes(pickle.dumps(record))
+    failures = {
+        0: SimpleNamespace(exitcode=1, timestamp=5),
+        1: SimpleNamespace(exitcode=-signal.SIGKILL, timestamp=5),
+    }
+    err = _worker_error(tmp_path, failures, 2, 0, None)
+    assert err.rank == 1
+    assert str(err).startswith("rank 1 exited with signal SIGKILL without raising a Python exception")
+    assert "rank 0 then raised RuntimeError: Connection closed by peer" in str(err)
+
+    # The same broken connection with no dead peer in sight is the cause itself.
+    (tmp_path / "error-0-0").write_bytes(pickle.dumps({**record, "dead_peers": []}))
+    err = _worker_error(tmp_path, failures, 2, 0, None)
+    assert (err.rank, err.exc_type, err.exc_message) == (0, "RuntimeError", "Connection closed by peer")

@@ -332,10 +332,15 @@ def _worker_error(
             with contextlib.suppress(Exception), open(path, "rb") as f:
                 records.append(pickle.load(f))
     restarts = f" after {last} restart(s)" if last else ""
+    # SIGTERM/SIGKILL are what the agent sends the survivors of a failure; a rank that died without an
+    # exception by other means, or that a raising rank saw dead before it failed, is a silent death.
+    stopped = (-signal.SIGTERM, -signal.SIGKILL)
+    recorded = {r["rank"] for r in records}
+    seen_dead = {peer for r in records for peer in r.get("dead_peers", ())}
     silent = {
         rank: f.exitcode
         for rank, f in sorted(failures.items())
-        if rank not in {r["rank"] for r in records} and f.exitcode not in (-signal.SIGTERM, -signal.SIGKILL)
+        if rank not in recorded and (f.exitcode not in stopped or rank in seen_dead)
     }
     also = "".join(f"; rank {r} exited with {_signal_name(code)}" for r, code in silent.items())
     if timed_out is not None:
@@ -361,9 +366,8 @@ def _worker_error(
             remote_traceback=first["traceback"],
         )
     if failures:
-        # SIGTERM/SIGKILL are what the agent sends the survivors of a failure: look past them.
-        stopped = (-signal.SIGTERM, -signal.SIGKILL)
-        rank = min(failures, key=lambda r: (failures[r].exitcode in stopped, failures[r].timestamp, r))
+        candidates = list(silent) or list(failures)
+        rank = min(candidates, key=lambda r: (failures[r].exitcode in stopped, failures[r].timestamp, r))
         code = failures[rank].exitcode
         how = _signal_name(code)
         others = "".join(
