@@ -65,7 +65,7 @@ IN, OUT, BATCH, STEPS_PER_EPOCH = 16, 4, 32, 10
 def make_state(seed: int, world_size: int) -> TrainState:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, OUT))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * world_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3 * world_size)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
     return TrainState(model, optimizer, scheduler, world_size=world_size)
 
@@ -138,10 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             log.info("injected failure: dying at step %d", state.step)
             sys.stdout.flush()
             os._exit(1)
-        loss = train_step(state, rank, world_size)
-        if state.step % args.save_every == 0 or state.step == args.steps:
-            path = elastic.save(state, ckpt, keep=args.keep, scope=scope)
-            log.info("step %d: checkpoint %s", state.step, path)
+        try:
+            loss = train_step(state, rank, world_size)
+            if state.step % args.save_every == 0 or state.step == args.steps:
+                path = elastic.save(state, ckpt, keep=args.keep, scope=scope)
+                log.info("step %d: checkpoint %s", state.step, path)
+        except (RuntimeError, elastic.ElasticError) as exc:
+            reason = str(exc).splitlines()[0][:160]
+            log.info(
+                "a peer failed at step %d (%s); exiting so that torchrun restarts the group",
+                state.step,
+                reason,
+            )
+            sys.stdout.flush()
+            os._exit(1)
     log.info("done: step %d, final loss %.6f", state.step, loss if state.history else float("nan"))
     if args.out and rank == 0:
         torch.save(
