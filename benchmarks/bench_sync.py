@@ -9,7 +9,8 @@ same run and interleaved round by round (the order rotates), it times:
 - one `dist.broadcast` per tensor (what a hand-written `sync()` does);
 - `dist.broadcast_object_list` of the tensors (pickled);
 - `torch.distributed._broadcast_coalesced`, torch's C++ bucketed broadcast that DDP uses to align
-  replicas, with DDP's bucket size.
+  replicas, with DDP's bucket size; and the same with torch's intra-op threads limited to 1 (as sync
+  limits them), to show how much of the difference is thread contention on a small machine.
 
 A round's time is the slower rank's, from a barrier to the end of the call. Each method is printed as the
 median of its per-round ratios to that round's floor. The receiver's peak extra memory is the rise of its
@@ -114,12 +115,21 @@ def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, 
     def coalesced() -> None:
         dist._broadcast_coalesced(world, state.tensors, DDP_BUCKET_BYTES, 0)
 
+    def coalesced_1t() -> None:  # the same, with torch's intra-op pool limited as sync limits it
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            dist._broadcast_coalesced(world, state.tensors, DDP_BUCKET_BYTES, 0)
+        finally:
+            torch.set_num_threads(before)
+
     return {
         "floor": floor,
         "sync": sync,
         "per_tensor": per_tensor,
         "object_list": object_list,
         "coalesced": coalesced,
+        "coalesced_1t": coalesced_1t,
     }
 
 
@@ -129,11 +139,12 @@ LABELS = {
     "per_tensor": "one `broadcast` per tensor",
     "object_list": "`broadcast_object_list` of the tensors",
     "coalesced": "`_broadcast_coalesced` (DDP, 250 MiB buckets)",
+    "coalesced_1t": "`_broadcast_coalesced`, torch threads limited to 1",
 }
 
 
-def time_one(fn: Callable[[], None], rank: int, is_sync: bool) -> tuple[float, float]:
-    """(seconds of the slower rank, receiver's peak extra bytes)."""
+def time_one(fn: Callable[[], None], is_sync: bool) -> tuple[float, float, float]:
+    """(seconds of the slower rank, receiver's rise of its high-water mark, bucket buffers it keeps)."""
     gc.collect()
     trim_heap()
     reset_high_water()
@@ -142,13 +153,12 @@ def time_one(fn: Callable[[], None], rank: int, is_sync: bool) -> tuple[float, f
     t0 = time.perf_counter()
     fn()
     seconds = time.perf_counter() - t0
-    extra = (_status_kib("VmHWM") - rss) * 1024.0
-    if is_sync:
-        extra += _transport.cached_bytes()
-    mine = torch.tensor([seconds, extra], dtype=torch.float64)
+    rise = (_status_kib("VmHWM") - rss) * 1024.0
+    kept = float(_transport.cached_bytes()) if is_sync else 0.0
+    mine = torch.tensor([seconds, rise, kept], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
-    return max(float(r[0]) for r in rows), float(rows[1][1])
+    return max(float(r[0]) for r in rows), float(rows[1][1]), float(rows[1][2])
 
 
 def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_wanted: list[str]) -> dict:
@@ -163,14 +173,14 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     methods = {k: v for k, v in make_methods(state, flat, rank).items() if k in methods_wanted}
     order = list(methods)
     times: dict[str, list[float]] = {k: [] for k in order}
-    mem: dict[str, list[float]] = {k: [] for k in order}
+    mem: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
     for r in range(rounds + 1):  # round 0 warms up (connections, bucket buffers, allocator)
         turn = order[r % len(order) :] + order[: r % len(order)]
         for key in turn:
-            seconds, extra = time_one(methods[key], rank, key == "sync")
+            seconds, rise, kept = time_one(methods[key], key == "sync")
             if r > 0:
                 times[key].append(seconds)
-                mem[key].append(extra)
+                mem[key].append((rise, kept))
     # The sync wrote the source's values in place on the receiver.
     if rank == 1:
         ref = [torch.randn(n, generator=gen) for n in sizes]
@@ -199,10 +209,11 @@ def worker(rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int,
 
 def report(results: list[dict], rounds: int) -> None:
     bucket = _transport.BUCKET_BYTES
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, BUCKET_BYTES {bucket // MiB} MiB, DIRECT_BYTES "
-        f"{_transport.DIRECT_BYTES / MiB:g} MiB, median of {rounds} interleaved rounds\n"
+        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}), BUCKET_BYTES "
+        f"{bucket / MiB:g} MiB, IN_FLIGHT {_transport.IN_FLIGHT}, DIRECT_BYTES "
+        f"{_transport.DIRECT_BYTES / MiB:g} MiB; medians of {rounds} interleaved rounds\n"
     )
     print("| state | method | median ms | x floor | receiver peak extra MiB |")
     print("|---|---|---:|---:|---:|")
@@ -214,13 +225,16 @@ def report(results: list[dict], rounds: int) -> None:
         ratios = {}
         for key, ts in times.items():
             ratios[key] = statistics.median(t / f for t, f in zip(ts, floor))
-            extra = statistics.median(res["mem"][key]) / MiB
-            mem = f"{extra:.1f}" + (f" ({extra * MiB / bucket:.2f} buckets)" if key == "sync" else "")
+            rise = statistics.median(r for r, _ in res["mem"][key]) / MiB
+            kept = max(k for _, k in res["mem"][key]) / MiB
+            mem = f"{rise + kept:.1f}"
+            if key == "sync":
+                mem += f" ({kept * MiB / bucket:g} buckets + {rise:.1f})"
             print(
                 f"| {state} | {LABELS[key]} | {statistics.median(ts) * 1e3:.1f} | {ratios[key]:.2f} | {mem} |"
             )
         if "sync" in ratios:
-            peak = max(res["mem"]["sync"]) / bucket
+            peak = max(r + k for r, k in res["mem"]["sync"]) / bucket
             line = f"{state}: sync {ratios['sync']:.2f}x floor"
             if "coalesced" in ratios:
                 vs = statistics.median(s / c for s, c in zip(times["sync"], times["coalesced"]))
@@ -247,8 +261,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
     parser.add_argument(
         "--methods",
-        default="floor,sync,per_tensor,object_list,coalesced",
-        help="comma-separated subset of: floor,sync,per_tensor,object_list,coalesced (floor is always kept)",
+        default="floor,sync,per_tensor,object_list,coalesced,coalesced_1t",
+        help="comma-separated subset of the methods (floor is always kept): " + ",".join(LABELS),
     )
     parser.add_argument("--case", choices=["many", "few", "both"], default="both")
     args = parser.parse_args()

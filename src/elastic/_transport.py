@@ -191,6 +191,13 @@ def _quiet() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """`byte_view` without the checks, for plain non-empty tensors under `torch.no_grad()` (hot loops)."""
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
 def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``d.copy_(s)`` for every pair, in one call."""
     if len(dests) == 1:
@@ -227,23 +234,25 @@ def send_tensors(
         nonlocal current
         tensor = tensors[i]
         if _plain(tensor):
-            return byte_view(tensor)
+            return _raw(tensor)
         if current is None or current[0] != i:  # one copy at a time: segments come in tensor order
-            current = (i, byte_view(tensor.resolve_conj().resolve_neg().contiguous()))
+            current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
         return current[1]
 
     def pack(buf: torch.Tensor, bucket: Bucket) -> None:
         pieces = []
+        elsewhere = False
         for seg in bucket.segments:
             view = source_bytes(seg.tensor)
             if seg.offset or seg.length != view.numel():
                 view = view[seg.offset : seg.offset + seg.length]
+            elsewhere = elsewhere or view.device != buf.device
             pieces.append(view)
-        if all(p.device == buf.device for p in pieces):
-            torch.cat(pieces, out=buf)
-        else:
+        if elsewhere:
             for seg, piece in zip(bucket.segments, pieces):
                 buf[seg.at : seg.at + seg.length].copy_(piece)
+        else:
+            torch.cat(pieces, out=buf)
 
     with _quiet():
         works: list[tuple[Any, str]] = []
@@ -364,11 +373,11 @@ def _receive_buckets(
         nonlocal temp
         dests: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for seg in bucket.segments:
+        pieces = buf.split([seg.length for seg in bucket.segments]) if len(bucket.segments) > 1 else (buf,)
+        for seg, piece in zip(bucket.segments, pieces):
             target = targets[seg.tensor]
-            piece = buf[seg.at : seg.at + seg.length]
             if target.device == buf.device and _plain(target):
-                view = byte_view(target)
+                view = _raw(target)
                 dests.append(
                     view if seg.length == view.numel() else view[seg.offset : seg.offset + seg.length]
                 )
@@ -376,7 +385,7 @@ def _receive_buckets(
                 continue
             if temp is None or temp[0] != seg.tensor:
                 tmp = torch.empty(target.shape, dtype=target.dtype, device=buf.device)
-                temp = (seg.tensor, tmp, byte_view(tmp))
+                temp = (seg.tensor, tmp, _raw(tmp))
             temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
             if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
                 target.copy_(temp[1])
