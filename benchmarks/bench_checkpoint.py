@@ -68,7 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--dir", type=str, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", type=str, default=None, help="where to write (default: a temporary directory)"
+    )
     args = parser.parse_args()
 
     state = build(args.mib)
@@ -80,11 +82,19 @@ def main() -> None:
         async_root = Path(tmp) / "ckpt_async"
 
         def bare_save() -> None:
-            sd = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step}
+            sd = {
+                "model": state.model.state_dict(),
+                "optimizer": state.optimizer.state_dict(),
+                "step": state.step,
+            }
             torch.save(sd, bare_file)
 
         def bare_save_fsync() -> None:
-            sd = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(), "step": state.step}
+            sd = {
+                "model": state.model.state_dict(),
+                "optimizer": state.optimizer.state_dict(),
+                "step": state.step,
+            }
             with open(bare_sync_file, "wb") as f:
                 torch.save(sd, f)
                 f.flush()
@@ -110,32 +120,48 @@ def main() -> None:
             report = elastic.load(state, root)
             assert report.source == "checkpoint", report
 
-        times: dict[str, list[float]] = {k: [] for k in ("bare_save", "bare_fsync", "save", "async", "bare_load", "load")}
+        times: dict[str, list[float]] = {
+            k: [] for k in ("bare_save", "bare_fsync", "save", "async", "bare_load", "load")
+        }
+        def quiet(fn: Callable[[], Any]) -> float:
+            os.sync()  # start from a quiet disk: torch.save leaves its writeback to whoever syncs next
+            return timed(fn)
+
         for _ in range(args.rounds + 1):  # the first round warms caches and is dropped
-            times["bare_save"].append(timed(bare_save))
-            times["save"].append(timed(our_save))
-            times["bare_fsync"].append(timed(bare_save_fsync))
-            times["async"].append(timed(our_async))
+            times["bare_save"].append(quiet(bare_save))
+            times["save"].append(quiet(our_save))
+            times["bare_fsync"].append(quiet(bare_save_fsync))
+            times["async"].append(quiet(our_async))
             handles.pop().wait()
-            times["bare_load"].append(timed(bare_load))
+            times["bare_load"].append(quiet(bare_load))
             steps = state.step
-            times["load"].append(timed(our_load))
+            times["load"].append(quiet(our_load))
             state.step = steps
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
 
-    print(f"state: {size / 2**20:.0f} MiB (model + Adam), {args.rounds} rounds, medians, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"state: {size / 2**20:.0f} MiB (model + Adam), {args.rounds} rounds, medians, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs"
+    )
     print()
     print("| operation | elastic | bare torch | ratio | target |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| save (checksums, fsync, atomic rename) vs `torch.save` | {med['save']:.3f} s | {med['bare_save']:.3f} s "
-          f"| {med['save'] / med['bare_save']:.2f}x | <= 1.2x |")
-    print(f"| save vs `torch.save` + `fsync` | {med['save']:.3f} s | {med['bare_fsync']:.3f} s "
-          f"| {med['save'] / med['bare_fsync']:.2f}x | |")
-    print(f"| load (verify checksums, in place) vs `torch.load` + `load_state_dict` | {med['load']:.3f} s "
-          f"| {med['bare_load']:.3f} s | {med['load'] / med['bare_load']:.2f}x | <= 1.2x |")
-    print(f"| `save(blocking=False)` blocks the caller vs blocking save | {med['async']:.3f} s | {med['save']:.3f} s "
-          f"| {med['async'] / med['save']:.2f}x | <= 0.25x |")
+    print(
+        f"| save (checksums, fsync, atomic rename) vs `torch.save` | {med['save']:.3f} s | {med['bare_save']:.3f} s "
+        f"| {med['save'] / med['bare_save']:.2f}x | <= 1.2x |"
+    )
+    print(
+        f"| save vs `torch.save` + `fsync` | {med['save']:.3f} s | {med['bare_fsync']:.3f} s "
+        f"| {med['save'] / med['bare_fsync']:.2f}x | |"
+    )
+    print(
+        f"| load (verify checksums, in place) vs `torch.load` + `load_state_dict` | {med['load']:.3f} s "
+        f"| {med['bare_load']:.3f} s | {med['load'] / med['bare_load']:.2f}x | <= 1.2x |"
+    )
+    print(
+        f"| `save(blocking=False)` blocks the caller vs blocking save | {med['async']:.3f} s | {med['save']:.3f} s "
+        f"| {med['async'] / med['save']:.2f}x | <= 0.25x |"
+    )
 
 
 if __name__ == "__main__":

@@ -415,6 +415,45 @@ def test_flipped_bytes_and_truncation_fall_back_with_warnings(tmp_path: Path) ->
     assert elastic.tenure(dst) == 1
 
 
+def test_a_corrupt_checkpoint_never_costs_the_best_memory_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streamed: list[Path] = []
+
+    class Counting(C._Verification):
+        def __init__(self, directory: Path, *args: Any) -> None:
+            streamed.append(directory)
+            super().__init__(directory, *args)
+
+    monkeypatch.setattr(C, "_Verification", Counting)
+    s = _plain(0)
+    for step in (3, 9):
+        s.step = step
+        s.losses = [float(step)]
+        elastic.save(s, tmp_path, keep=None)
+    _flip(tmp_path / "ckpt-000000000009" / "state.pt")
+
+    # memory at 5 is better than every remaining candidate: checksums are verified before anything is
+    # written, so when 9 turns out corrupt the state at 5 is intact and wins
+    ahead = _plain(1)
+    ahead.step, ahead.losses = 5, [5.0]
+    before = {k: v.clone() for k, v in ahead.model.state_dict().items()}
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        report = elastic.load(ahead, tmp_path)
+    assert report.source == "memory" and report.tenure == 5 and ahead.losses == [5.0]
+    assert _sd_equal(ahead.model.state_dict(), before) and streamed == []
+
+    # memory at 2 is worth less than checkpoint 3: it is verified while copied in (one pass), left torn
+    # by the corrupt 9, and 3 is loaded next
+    behind = _plain(2)
+    behind.step = 2
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        report = elastic.load(behind, tmp_path)
+    assert report.source == "checkpoint" and report.tenure == 3 and behind.losses == [3.0]
+    assert [p.name for p in streamed] == ["ckpt-000000000009", "ckpt-000000000003"]
+    assert not C._expendable([C._LoadRecord(tenure=5)], [5], 0, (0, 0), set())
+
+
 def test_pointing_at_one_corrupt_checkpoint_raises(tmp_path: Path) -> None:
     s = _plain(0, steps=1)
     one = elastic.save(s, tmp_path)

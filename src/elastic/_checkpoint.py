@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -705,10 +705,12 @@ def _load_record(state: Any, config: StateConfig, root: Path) -> _LoadRecord:
 
 @attrs.frozen
 class _Status:
-    """The reader's verdict: ``ok``, ``corrupt`` (skip it), or an error kind raised on every rank."""
+    """The reader's verdict: ``ok``, ``corrupt`` (skip it), or an error kind raised on every rank; and
+    whether the reader's state was left torn (its tenure then counts as `None`)."""
 
     kind: Literal["ok", "corrupt", "untrusted", "mismatch", "error"]
     message: str = ""
+    torn: bool = False
 
 
 class _Refused(Exception):
@@ -789,10 +791,16 @@ def load(
             seen.tenure, memory[mem_best], f"checkpoint {seen.path}", f"rank {mem_best}'s state", "load"
         ):
             break
-        status = _read(state, Path(seen.path), trusted, strict) if g.rank == reader else None
+        status = None
+        if g.rank == reader:
+            stream = _expendable(records, memory, reader, choice, excluded)
+            status = _read(state, Path(seen.path), trusted, strict, stream)
         statuses: list[_Status | None] = g.gather(status, "load-read")
         verdict = statuses[reader]
         assert verdict is not None
+        if verdict.torn:  # the reader's own state is gone: it can no longer win the election
+            memory[reader] = None
+            mem_best = elect(memory, "load")
         if verdict.kind == "ok":
             report = run_sync(
                 state, group=group, src=reader, force=True, timeout=deadline, op="load", notify=False
@@ -854,18 +862,67 @@ def load_method(
 # Reading one checkpoint into this rank's state
 
 
-def _read(state: Any, directory: Path, trusted: bool, strict: bool) -> _Status:
+def _expendable(
+    records: Sequence[_LoadRecord],
+    memory: Sequence[Any],
+    reader: int,
+    choice: tuple[int, int],
+    excluded: set[tuple[int, int]],
+) -> bool:
+    """Whether the reader's in-memory state can be lost without losing tenure: it holds none, or another
+    rank's memory or another remaining checkpoint is at least as tenured. Then the reader may verify the
+    checkpoint while it copies it in (one pass), at the risk of being left torn if it turns out corrupt."""
+    mine = memory[reader]
+    if mine is None:
+        return True
+    others = [t for r, t in enumerate(memory) if r != reader]
+    others += [
+        seen.tenure
+        for r, rec in enumerate(records)
+        for i, seen in enumerate(rec.seen)
+        if (r, i) != choice and (r, i) not in excluded
+    ]
+    try:
+        return any(not _gt(mine, t, "memory", "another state", "load") for t in others if t is not None)
+    except TenureError:
+        return False
+
+
+def _read(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool) -> _Status:
     """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
     try:
-        _read_into(state, directory, trusted, strict)
+        _read_into(state, directory, trusted, strict, stream)
         return _Status("ok")
     except InvalidCheckpoint as exc:
         skipped("load", str(exc))
-        return _Status("corrupt", str(exc))
+        return _Status("corrupt", str(exc), torn=lineage(state).torn)
     except _Refused as exc:
-        return _Status(exc.kind, str(exc))  # type: ignore[arg-type]
+        return _Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
     except Exception as exc:
-        return _Status("error", f"reading {directory} failed: {type(exc).__name__}: {exc}")
+        text = f"reading {directory} failed: {type(exc).__name__}: {exc}"
+        return _Status("error", text, torn=lineage(state).torn)
+
+
+class _Verification:
+    """Checksums of one file computed on a helper thread (`wait` raises `InvalidCheckpoint`)."""
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(directory, manifest, name), name="elastic-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+        try:
+            _verify(directory, manifest, name)
+        except BaseException as exc:
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
@@ -887,7 +944,9 @@ def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
             )
 
 
-def _read_into(state: Any, directory: Path, trusted: bool, strict: bool) -> None:
+def _read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool = False) -> None:
+    """Read, verify and apply one checkpoint. With `stream`, the content file is verified while it is
+    parsed and copied in (the state is torn if it turns out corrupt); otherwise before."""
     manifest = validate(directory).manifest
     cls = type(state)
     saved_class = manifest.get("class")
@@ -915,7 +974,29 @@ def _read_into(state: Any, directory: Path, trusted: bool, strict: bool) -> None
             "(numbers, strings, lists, dicts, tensors) in these fields"
         )
         raise _Refused("untrusted", msg)
-    _verify(directory, manifest, CONTENT)
+    verification = _Verification(directory, manifest, CONTENT) if stream else None
+    if verification is None:
+        _verify(directory, manifest, CONTENT)
+    try:
+        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed)
+    except BaseException:
+        if verification is not None:
+            verification.wait()  # a checksum mismatch explains a parse failure best
+        raise
+    _apply(state, node, tensors, devices, verification.wait if verification is not None else None)
+
+
+def _parse(
+    state: Any,
+    directory: Path,
+    manifest: dict[str, Any],
+    trusted: bool,
+    strict: bool,
+    applied: list[str],
+    needed: list[Any],
+) -> tuple[StateNode, list[torch.Tensor], list[str]]:
+    """Load the content (weights_only, mmap) and objects, decode the skeleton and check it against the
+    live state. Writes nothing into the state."""
     objects: list[Any] = []
     if needed:
         _verify(directory, manifest, OBJECTS)
@@ -939,7 +1020,7 @@ def _read_into(state: Any, directory: Path, trusted: bool, strict: bool) -> None
         ) from None
     tensors, devices, skeleton = _unpack(directory, payload, applied, objects)
     node = _reconcile(skeleton, state, (), strict, tensors, directory)
-    _apply(state, node, tensors, devices)
+    return node, tensors, devices
 
 
 def _unpack(
@@ -1080,8 +1161,17 @@ def _placed(tensor: torch.Tensor, device_type: str) -> torch.Tensor:
     return tensor.clone()
 
 
-def _apply(state: Any, node: StateNode, tensors: list[torch.Tensor], devices: list[str]) -> None:
-    """Write the checkpoint into `state`: tensors in place where shape and dtype match. Torn on failure."""
+def _apply(
+    state: Any,
+    node: StateNode,
+    tensors: list[torch.Tensor],
+    devices: list[str],
+    verified: Callable[[], None] | None = None,
+) -> None:
+    """Write the checkpoint into `state`: tensors in place where shape and dtype match. Torn on failure.
+
+    `verified`, when given, is waited for after the tensors are copied and before anything else changes;
+    it raises if the checksums do not match (the state is then left torn)."""
     paths = slot_paths(node)
     index = tensor_index(state, "save")
     targets = list(tensors)
@@ -1097,6 +1187,8 @@ def _apply(state: Any, node: StateNode, tensors: list[torch.Tensor], devices: li
                 in_place[i] = True
             else:
                 targets[i] = _placed(src, devices[i])
+        if verified is not None:
+            verified()
         apply_fields(state, node, targets, in_place)
     set_lineage(state, token=None, torn=False)
 

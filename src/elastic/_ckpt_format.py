@@ -436,15 +436,17 @@ def write_content(
     fd = _open_new(path)
     try:
         writer = HashingWriter(fd)
-        if crc32:
+        get = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.6
+        put = getattr(torch.serialization, "set_crc32_options", None)
+        if crc32 or get is None or put is None:
             torch.save(payload, writer)  # type: ignore[arg-type]
         else:
-            before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
+            before = get()
+            put(False)
             try:
                 torch.save(payload, writer)  # type: ignore[arg-type]
             finally:
-                torch.serialization.set_crc32_options(before)
+                put(before)
         writer.flush()
         os.fsync(fd)
     finally:
