@@ -29,6 +29,8 @@ import torch
 import elastic
 from dist_harness import run_on_ranks
 from elastic import _checkpoint as C
+from elastic import _ckpt_read as R
+from elastic import _ckpt_write as W
 from elastic import _manifest as M
 from elastic._ckpt_format import CHUNK, hash_file
 
@@ -420,12 +422,12 @@ def test_a_corrupt_checkpoint_never_costs_the_best_memory_state(
 ) -> None:
     streamed: list[Path] = []
 
-    class Counting(C._Verification):
+    class Counting(R.Verification):
         def __init__(self, directory: Path, *args: Any) -> None:
             streamed.append(directory)
             super().__init__(directory, *args)
 
-    monkeypatch.setattr(C, "_Verification", Counting)
+    monkeypatch.setattr(R, "Verification", Counting)
     s = _plain(0)
     for step in (3, 9):
         s.step = step
@@ -634,7 +636,7 @@ def test_retention_keeps_the_most_tenured_and_the_new_one(tmp_path: Path) -> Non
 
 
 def test_stale_temporary_directories_are_cleaned(tmp_path: Path) -> None:
-    host = C._host()
+    host = W.host_tag()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".tmp-{host}-{dead.pid}-0123abcd"
@@ -684,7 +686,7 @@ def test_writer_errors_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     s.losses = [NoSpace()]
     with pytest.raises(elastic.CheckpointError, match=r"cannot pickle losses\.0"):
         elastic.save(s, tmp_path / "root")
-    assert C._explain(OSError(28, "No space left on device")).endswith("lower keep=, or save to another path")
+    assert W.explain(OSError(28, "No space left on device")).endswith("lower keep=, or save to another path")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -906,7 +908,7 @@ def test_sigkill_during_save_never_publishes_a_partial_checkpoint(tmp_path: Path
 
 
 def _grouped_checks(rank: int, world: int, base: str, single_ckpt: str) -> dict[str, Any]:
-    import elastic._checkpoint as ck
+    import elastic._ckpt_write as writer
 
     out: dict[str, Any] = {}
     root = Path(base) / "shared"
@@ -943,7 +945,7 @@ def _grouped_checks(rank: int, world: int, base: str, single_ckpt: str) -> dict[
     mine = Path(base) / f"local{rank}"
     for step in (3, 7, 9) if rank == 1 else (8,):
         w = state(10 + rank, step)
-        assert ck._run(ck._prepare(w, mine, None, rank, 1, step, False)).error is None
+        assert writer.run_job(writer.prepare(w, mine, None, rank, 1, step, False)).error is None
     if rank == 1:
         _flip(mine / "ckpt-000000000009" / "state.pt")
     s = state(rank, 0)

@@ -12,43 +12,22 @@ election is run again among the remaining candidates.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import platform
-import shutil
 import socket
-import sys
 import threading
-import time
-import uuid
-import warnings
-from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import attrs
 import cloudpickle
 import torch
 
-from ._ckpt_format import (
-    CONTENT,
-    CONTENT_VERSION,
-    HASH,
-    MANIFEST,
-    OBJECTS,
-    FormatError,
-    decode_skeleton,
-    encode_skeleton,
-    fsync_dir,
-    hash_file,
-    pickle_objects,
-    slot_paths,
-    write_bytes,
-    write_content,
-)
-from ._comm import Comm, fault_point
+from . import _ckpt_read as _r
+from . import _ckpt_write as _w
+from ._comm import Comm
 from ._decorator import (
     StateConfig,
     as_timedelta,
@@ -56,7 +35,6 @@ from ._decorator import (
     is_elastic_state,
     lineage,
     saved_fields,
-    set_lineage,
 )
 from ._errors import (
     CheckpointCorruptError,
@@ -67,27 +45,15 @@ from ._errors import (
 )
 from ._manifest import (
     InvalidCheckpoint,
-    build_manifest,
     check_saveable_tenure,
-    dir_name,
     is_checkpoint_dir,
-    manifest_bytes,
     scan,
     skipped,
-    tenure_to_json,
     validate,
 )
 from ._sync import elect, run_sync
 from ._tree import (
-    ContainerNode,
-    StatefulNode,
-    StateNode,
-    TensorSlot,
-    apply_fields,
-    flatten,
     kind_of,
-    path_str,
-    tensor_index,
 )
 
 __all__ = [
@@ -104,12 +70,6 @@ __all__ = [
 log = logging.getLogger("elastic")
 
 Scope = Literal["global", "node"]
-
-#: Prefixes of the hidden working directories inside a root: checkpoints being written, being deleted.
-TMP_PREFIX = ".tmp-"
-DEL_PREFIX = ".del-"
-#: A temporary directory of another host is considered abandoned once it is this old (clock skew margin).
-FOREIGN_STALE_SECONDS = 600.0
 
 
 @attrs.frozen
@@ -219,259 +179,7 @@ def _save_record(state: Any, config: StateConfig, scope: str) -> _SaveRecord:
     return _SaveRecord(tenure=value, node=node)
 
 
-@attrs.define
-class _Job:
-    """What the writer needs, prepared on the caller's thread (so a background write sees a snapshot)."""
-
-    root: Path
-    keep: int | None
-    rank: int
-    tenure: Any
-    payload: dict[str, Any]
-    objects: bytes | None
-    info: dict[str, Any]
-    crc32: bool
-
-
-@attrs.frozen
-class _Outcome:
-    """A writer's result: the checkpoint's path, or the error text."""
-
-    rank: int
-    path: str | None = None
-    error: str | None = None
-    root: str = ""
-
-
-def _versions() -> dict[str, str]:
-    package = sys.modules.get("elastic")
-    return {
-        "python": platform.python_version(),
-        "torch": str(torch.__version__),
-        "cloudpickle": str(getattr(cloudpickle, "__version__", "unknown")),
-        "elastic-state": str(getattr(package, "__version__", "unknown")),
-    }
-
-
-def _prepare(
-    state: Any, root: Path, keep: int | None, rank: int, world: int, tenure: Any, stage: bool
-) -> _Job:
-    flat = flatten(state, "save")
-    encoded = encode_skeleton(flat.skeleton)
-    objects = pickle_objects(encoded) if encoded.objects else None
-    tensors = _stage(flat.tensors) if stage else flat.tensors
-    payload = {
-        "format": CONTENT_VERSION,
-        "skeleton": encoded.plain,
-        "tensors": tensors,
-        "devices": [t.device.type for t in flat.tensors],
-    }
-    cls = type(state)
-    now = time.time_ns()
-    info = {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "fields": [{"name": a.name, "kind": kind_of(getattr(state, a.name))} for a in saved_fields(cls)],
-        "tenure": tenure_to_json(tenure),
-        "tenure_repr": repr(tenure),
-        "world_size": world,
-        "writer_rank": rank,
-        "created": datetime.fromtimestamp(now / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds"),
-        "created_ns": now,
-        "versions": _versions(),
-        "objects": encoded.object_summary(),
-    }
-    return _Job(
-        root=root,
-        keep=keep,
-        rank=rank,
-        tenure=tenure,
-        payload=payload,
-        objects=objects,
-        info=info,
-        crc32=stage,
-    )
-
-
-# One staging copy of the tensors for async saves, reused while shapes and dtypes stay the same.
-_staging_lock = threading.Lock()
-_staging: list[torch.Tensor] = []
-
-
-def _stage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of `tensors` for a background write, in reused buffers (pinned for CUDA sources)."""
-    global _staging
-    with _staging_lock:
-        old = _staging
-        out: list[torch.Tensor] = []
-        cuda = False
-        for i, t in enumerate(tensors):
-            pin = t.device.type == "cuda" and torch.cuda.is_available()
-            cuda = cuda or t.device.type == "cuda"
-            buf = old[i] if i < len(old) else None
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            buf.copy_(t.detach(), non_blocking=pin)
-            out.append(buf)
-        if cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        _staging = out
-        return out
-
-
-_in_use_lock = threading.Lock()
-_in_use: set[str] = set()  # temporary directories this process is writing right now
-
-
-def _host() -> str:
-    return socket.gethostname().replace("-", "_") or "host"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def _clean_stale(root: Path, started: float) -> None:
-    """Remove temporary directories of writers that died, and directories left half-deleted."""
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return
-    host, pid = _host(), os.getpid()
-    for entry in entries:
-        name = entry.name
-        stale = False
-        if name.startswith(DEL_PREFIX):
-            stale = True
-        elif name.startswith(TMP_PREFIX):
-            parts = name[len(TMP_PREFIX) :].rsplit("-", 2)
-            with _in_use_lock:
-                busy = entry.path in _in_use
-            if busy:
-                continue
-            if len(parts) == 3 and parts[0] == host and parts[1].isdigit():
-                owner = int(parts[1])
-                stale = owner == pid or not _pid_alive(owner)
-            else:
-                try:
-                    stale = entry.stat(follow_symlinks=False).st_mtime < started - FOREIGN_STALE_SECONDS
-                except OSError:
-                    stale = False
-        if stale:
-            log.info("save: removing abandoned %s", entry.path)
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _publish(tmp: Path, root: Path, base: str) -> Path:
-    """Rename `tmp` to a free name `base`, `base.1`, ... in `root` (never over an existing checkpoint)."""
-    n = 0
-    while True:
-        target = root / (base if n == 0 else f"{base}.{n}")
-        if not os.path.lexists(target):
-            try:
-                os.rename(tmp, target)
-                return target
-            except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-        n += 1
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint: renamed out of sight at once (a crash never leaves a half-deleted checkpoint
-    visible), then removed by a background thread (what it leaves is cleaned by the next save)."""
-    doomed = path.parent / f"{DEL_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        os.rename(path, doomed)
-    except OSError as exc:
-        log.warning("save: could not remove old checkpoint %s: %s", path, exc)
-        return
-    threading.Thread(target=shutil.rmtree, args=(doomed, True), name="elastic-retention", daemon=True).start()
-
-
-def _retain(root: Path, keep: int | None, written: Path) -> None:
-    """Keep the `keep` most tenured complete checkpoints, and always `written`."""
-    if keep is None:
-        return
-    complete = scan(root, warn=False, op="save")
-    keepers = {c.path.name for c in complete[:keep]} | {written.name}
-    for cand in complete:
-        if cand.path.name not in keepers:
-            log.info("save: retention (keep=%d) removes %s", keep, cand.path)
-            _remove(cand.path)
-    fsync_dir(root)
-
-
-def _write(job: _Job) -> Path:
-    """Write one checkpoint durably under `job.root`; returns its directory."""
-    root, rank = job.root, job.rank
-    if is_checkpoint_dir(root):
-        msg = (
-            f"{root} is itself a checkpoint (it holds {MANIFEST}); pass the directory that holds checkpoints"
-        )
-        raise ValueError(msg)
-    started = time.time()
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_stale(root, started)
-    tmp = root / f"{TMP_PREFIX}{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.mkdir(tmp)
-    with _in_use_lock:
-        _in_use.add(str(tmp))
-    try:
-        fault_point("write", rank)
-        files = []
-        if job.objects is not None:
-            files.append(write_bytes(tmp / OBJECTS, job.objects))
-        files.append(write_content(tmp / CONTENT, job.payload, crc32=job.crc32))
-        fault_point("manifest", rank)
-        manifest = build_manifest(job.info, files)
-        write_bytes(tmp / MANIFEST, manifest_bytes(manifest))
-        fsync_dir(tmp)
-        fault_point("rename", rank)
-        final = _publish(tmp, root, dir_name(job.tenure))
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        with _in_use_lock:
-            _in_use.discard(str(tmp))
-    log.info("save: rank %d wrote %s (tenure %r)", rank, final, job.tenure)
-    try:
-        fault_point("retain", rank)
-        _retain(root, job.keep, final)
-    except Exception as exc:  # the checkpoint is durable; failing to delete old ones is not fatal
-        log.warning("save: retention under %s failed: %s: %s", root, type(exc).__name__, exc)
-    return final
-
-
-def _run(job: _Job) -> _Outcome:
-    try:
-        return _Outcome(rank=job.rank, path=str(_write(job)), root=str(job.root))
-    except Exception as exc:
-        return _Outcome(rank=job.rank, error=_explain(exc), root=str(job.root))
-
-
-def _explain(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    code = getattr(exc, "errno", None)
-    if code == errno.ENOSPC or code == getattr(errno, "EDQUOT", -1):
-        return f"{text}. Free disk space, lower keep=, or save to another path"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{text}. Make the directory writable by this process, or save to another path"
-    if code in (errno.ENOTDIR, errno.EEXIST):
-        return f"{text}. The path (or a parent) is a file; pass a directory"
-    if isinstance(exc, TypeError):
-        return str(exc)
-    return f"{text}. Fix the cause and save again"
-
-
-def _conclude(outcomes: Sequence[_Outcome | None], mine: int, world: int) -> Path:
+def _conclude(outcomes: Sequence[_w.Outcome | None], mine: int, world: int) -> Path:
     failed = [o for o in outcomes if o is not None and o.error is not None]
     if failed:
         parts = []
@@ -495,10 +203,10 @@ class SaveHandle:
     whether this rank's part is finished. The next `save` waits for this one first.
     """
 
-    def __init__(self, group: _Group, mine: int, job: _Job | None, error: _Outcome | None) -> None:
+    def __init__(self, group: _Group, mine: int, job: _w.Job | None, error: _w.Outcome | None) -> None:
         self._group = group
         self._mine = mine
-        self._outcome: _Outcome | None = error
+        self._outcome: _w.Outcome | None = error
         self._lock = threading.Lock()
         self._result: Path | CheckpointError | None = None
         self._thread: threading.Thread | None = None
@@ -506,8 +214,8 @@ class SaveHandle:
             self._thread = threading.Thread(target=self._work, args=(job,), name="elastic-save", daemon=False)
             self._thread.start()
 
-    def _work(self, job: _Job) -> None:
-        self._outcome = _run(job)
+    def _work(self, job: _w.Job) -> None:
+        self._outcome = _w.run_job(job)
         if self._outcome.error is not None:
             log.error("save: background write failed: %s", self._outcome.error)
 
@@ -554,6 +262,45 @@ def _settle_inflight() -> None:
         except CheckpointError as exc:
             msg = f"the previous save(blocking=False) failed: {exc}"
             raise CheckpointError(msg) from None
+
+
+@overload
+def save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: Any = ...,
+    keep: int | None = ...,
+    blocking: Literal[True] = ...,
+    scope: Scope = ...,
+    timeout: timedelta | float | None = ...,
+) -> Path: ...
+
+
+@overload
+def save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: Any = ...,
+    keep: int | None = ...,
+    blocking: Literal[False],
+    scope: Scope = ...,
+    timeout: timedelta | float | None = ...,
+) -> SaveHandle: ...
+
+
+@overload
+def save(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: Any = ...,
+    keep: int | None = ...,
+    blocking: bool = ...,
+    scope: Scope = ...,
+    timeout: timedelta | float | None = ...,
+) -> Path | SaveHandle: ...
 
 
 def save(
@@ -625,15 +372,15 @@ def save(
             leaders = {node: min(rs) for node, rs in members.items()}
         mine, writers = leaders[nodes[g.rank]], set(leaders.values())
 
-    job: _Job | None = None
-    failure: _Outcome | None = None
+    job: _w.Job | None = None
+    failure: _w.Outcome | None = None
     if g.rank in writers:
         try:
-            job = _prepare(state, root, keep, g.rank, g.world, top, stage=not blocking)
+            job = _w.prepare(state, root, keep, g.rank, g.world, top, stage=not blocking)
         except Exception as exc:
-            failure = _Outcome(rank=g.rank, error=_explain(exc), root=str(root))
+            failure = _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(root))
     if blocking:
-        outcome = _run(job) if job is not None else failure
+        outcome = _w.run_job(job) if job is not None else failure
         outcomes = g.gather(outcome, "save-commit")
         return _conclude(outcomes, mine, g.world)
     handle = SaveHandle(g, mine, job, failure)
@@ -701,22 +448,6 @@ def _load_record(state: Any, config: StateConfig, root: Path) -> _LoadRecord:
     return _LoadRecord(
         tenure=value, seen=tuple(_Seen(c.tenure, c.created_ns, str(c.path), c.world_size) for c in found)
     )
-
-
-@attrs.frozen
-class _Status:
-    """The reader's verdict: ``ok``, ``corrupt`` (skip it), or an error kind raised on every rank; and
-    whether the reader's state was left torn (its tenure then counts as `None`)."""
-
-    kind: Literal["ok", "corrupt", "untrusted", "mismatch", "error"]
-    message: str = ""
-    torn: bool = False
-
-
-class _Refused(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def _best_candidate(records: Sequence[_LoadRecord], excluded: set[tuple[int, int]]) -> tuple[int, int] | None:
@@ -794,8 +525,8 @@ def load(
         status = None
         if g.rank == reader:
             stream = _expendable(records, memory, reader, choice, excluded)
-            status = _read(state, Path(seen.path), trusted, strict, stream)
-        statuses: list[_Status | None] = g.gather(status, "load-read")
+            status = _r.read(state, Path(seen.path), trusted, strict, stream)
+        statuses: list[_r.Status | None] = g.gather(status, "load-read")
         verdict = statuses[reader]
         assert verdict is not None
         if verdict.torn:  # the reader's own state is gone: it can no longer win the election
@@ -886,311 +617,6 @@ def _expendable(
         return any(not _gt(mine, t, "memory", "another state", "load") for t in others if t is not None)
     except TenureError:
         return False
-
-
-def _read(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool) -> _Status:
-    """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
-    try:
-        _read_into(state, directory, trusted, strict, stream)
-        return _Status("ok")
-    except InvalidCheckpoint as exc:
-        skipped("load", str(exc))
-        return _Status("corrupt", str(exc), torn=lineage(state).torn)
-    except _Refused as exc:
-        return _Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
-    except Exception as exc:
-        text = f"reading {directory} failed: {type(exc).__name__}: {exc}"
-        return _Status("error", text, torn=lineage(state).torn)
-
-
-class _Verification:
-    """Checksums of one file computed on a helper thread (`wait` raises `InvalidCheckpoint`)."""
-
-    def __init__(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(directory, manifest, name), name="elastic-verify", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
-        try:
-            _verify(directory, manifest, name)
-        except BaseException as exc:
-            self._error = exc
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
-    rec = manifest["files"][name]
-    fpath = directory / name
-    try:
-        size, digests = hash_file(fpath, rec["chunk"])
-    except OSError as exc:
-        raise InvalidCheckpoint(f"{fpath}: cannot be read ({exc})") from None
-    if size != rec["size"]:
-        raise InvalidCheckpoint(
-            f"{fpath}: is {size} bytes, the manifest says {rec['size']}: truncated or altered"
-        )
-    for k, (got, want) in enumerate(zip(digests, rec[HASH])):
-        if got != want:
-            a, b = k * rec["chunk"], min(size, (k + 1) * rec["chunk"])
-            raise InvalidCheckpoint(
-                f"{fpath}: {HASH} checksum mismatch in bytes {a}-{b}: the file is damaged"
-            )
-
-
-def _read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool = False) -> None:
-    """Read, verify and apply one checkpoint. With `stream`, the content file is verified while it is
-    parsed and copied in (the state is torn if it turns out corrupt); otherwise before."""
-    manifest = validate(directory).manifest
-    cls = type(state)
-    saved_class = manifest.get("class")
-    if saved_class != f"{cls.__module__}.{cls.__qualname__}":
-        log.warning(
-            "load: %s was saved from class %s, loading into %s.%s",
-            directory,
-            saved_class,
-            cls.__module__,
-            cls.__qualname__,
-        )
-    live = [a.name for a in saved_fields(cls)]
-    saved = [f["name"] for f in manifest["fields"]]
-    _check_fields(directory, live, saved, strict, "")
-    applied = [n for n in saved if n in live]
-    needed = [o for o in manifest["objects"] if o.get("field") in applied]
-    if needed and not trusted:
-        names = sorted({str(o.get("field")) for o in needed})
-        detail = ", ".join(f"{o.get('path')} ({o.get('type')})" for o in needed[:8])
-        more = f" and {len(needed) - 8} more" if len(needed) > 8 else ""
-        msg = (
-            f"{directory} stores pickled objects in field(s) {', '.join(repr(n) for n in names)}: "
-            f"{detail}{more}. Unpickling can run arbitrary code, so it is refused by default; pass "
-            "trusted=True for checkpoints you made yourself (or whose author you trust), or store plain data "
-            "(numbers, strings, lists, dicts, tensors) in these fields"
-        )
-        raise _Refused("untrusted", msg)
-    verification = _Verification(directory, manifest, CONTENT) if stream else None
-    if verification is None:
-        _verify(directory, manifest, CONTENT)
-    try:
-        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed)
-    except BaseException:
-        if verification is not None:
-            verification.wait()  # a checksum mismatch explains a parse failure best
-        raise
-    _apply(state, node, tensors, devices, verification.wait if verification is not None else None)
-
-
-def _parse(
-    state: Any,
-    directory: Path,
-    manifest: dict[str, Any],
-    trusted: bool,
-    strict: bool,
-    applied: list[str],
-    needed: list[Any],
-) -> tuple[StateNode, list[torch.Tensor], list[str]]:
-    """Load the content (weights_only, mmap) and objects, decode the skeleton and check it against the
-    live state. Writes nothing into the state."""
-    objects: list[Any] = []
-    if needed:
-        _verify(directory, manifest, OBJECTS)
-        try:
-            with open(directory / OBJECTS, "rb") as f:
-                objects = cloudpickle.load(f)
-        except Exception as exc:
-            msg = (
-                f"could not unpickle {directory / OBJECTS} ({type(exc).__name__}: {exc}); the classes and "
-                "functions it refers to must be importable here"
-            )
-            raise _Refused("error", msg) from None
-        if not isinstance(objects, list):
-            raise InvalidCheckpoint(f"{directory / OBJECTS}: does not hold a list of objects")
-    try:
-        payload = torch.load(directory / CONTENT, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InvalidCheckpoint(
-            f"{directory / CONTENT}: cannot be loaded safely ({type(exc).__name__}: {text})"
-        ) from None
-    tensors, devices, skeleton = _unpack(directory, payload, applied, objects)
-    node = _reconcile(skeleton, state, (), strict, tensors, directory)
-    return node, tensors, devices
-
-
-def _unpack(
-    directory: Path, payload: Any, applied: list[str], objects: list[Any]
-) -> tuple[list[torch.Tensor], list[str], StateNode]:
-    where = directory / CONTENT
-    if not (isinstance(payload, dict) and payload.get("format") == CONTENT_VERSION):
-        raise InvalidCheckpoint(f"{where}: is not an elastic-state content file of version {CONTENT_VERSION}")
-    tensors, devices, plain = payload.get("tensors"), payload.get("devices"), payload.get("skeleton")
-    if not (
-        isinstance(tensors, list)
-        and all(isinstance(t, torch.Tensor) for t in tensors)
-        and isinstance(devices, list)
-        and len(devices) == len(tensors)
-        and all(isinstance(d, str) for d in devices)
-        and isinstance(plain, dict)
-        and isinstance(plain.get("f"), dict)
-    ):
-        raise InvalidCheckpoint(f"{where}: has a malformed layout")
-    pruned = dict(plain)
-    pruned["f"] = {n: v for n, v in plain["f"].items() if n in applied}
-
-    def obj(i: int) -> Any:
-        if i >= len(objects):
-            raise FormatError(f"object {i} is not in {OBJECTS}")
-        return objects[i]
-
-    try:
-        skeleton = decode_skeleton(pruned, len(tensors), obj)
-    except FormatError as exc:
-        raise InvalidCheckpoint(f"{where}: {exc}") from None
-    return tensors, devices, skeleton
-
-
-def _check_fields(directory: Path, live: list[str], saved: list[str], strict: bool, prefix: str) -> None:
-    missing = [prefix + n for n in live if n not in saved]
-    extra = [prefix + n for n in saved if n not in live]
-    if not (missing or extra):
-        return
-    if strict:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {', '.join(missing)}")
-        if extra:
-            parts.append(f"in the checkpoint but not in the class: {', '.join(extra)}")
-        msg = (
-            f"{directory} does not match the state's fields ({'; '.join(parts)}). Pass strict=False to keep "
-            "current values for missing fields and ignore extra ones"
-        )
-        raise _Refused("mismatch", msg)
-    if extra:
-        text = f"load: {directory} has fields the class no longer has, ignored: {', '.join(extra)}"
-        log.warning("%s", text)
-        warnings.warn(text, RuntimeWarning, stacklevel=6)
-    if missing:
-        log.info("load: %s lacks fields %s; their current values are kept", directory, ", ".join(missing))
-
-
-_STATEFUL = frozenset({"module", "optimizer", "stateful", "state"})
-
-
-def _saved_kind(node: Any) -> str:
-    if isinstance(node, TensorSlot):
-        return "tensor"
-    if isinstance(node, StatefulNode):
-        return node.kind
-    if isinstance(node, StateNode):
-        return "state"
-    if isinstance(node, ContainerNode):
-        return node.kind
-    return "none" if node is None else "object"
-
-
-def _reconcile(
-    node: StateNode,
-    state: Any,
-    path: tuple[Any, ...],
-    strict: bool,
-    tensors: list[torch.Tensor],
-    directory: Path,
-) -> StateNode:
-    """Check the checkpoint's fields against the live state before anything is written; prune extras."""
-    live = [a.name for a in saved_fields(type(state))]
-    if path:
-        prefix = path_str(path) + "."
-        _check_fields(directory, live, list(node.fields), strict, prefix)
-    fields: dict[str, Any] = {}
-    for name, child in node.fields.items():
-        if name not in live:
-            continue
-        current = getattr(state, name)
-        where = path_str((*path, name))
-        have, want = kind_of(current), _saved_kind(child)
-        if have != want and (have in _STATEFUL or want in _STATEFUL):
-            msg = (
-                f"{directory}: field {where} holds a {want} in the checkpoint but a {have} in this state; "
-                "build the state with the same kinds of values as the one that was saved"
-            )
-            raise _Refused("mismatch", msg)
-        if isinstance(child, StateNode):
-            child = _reconcile(child, current, (*path, name), strict, tensors, directory)
-        elif isinstance(child, StatefulNode) and child.kind == "module":
-            _check_module(child, current, where, tensors, directory)
-        fields[name] = child
-    return StateNode(qualname=type(state).__qualname__, fields=fields)
-
-
-def _check_module(
-    node: StatefulNode, module: Any, where: str, tensors: list[torch.Tensor], directory: Path
-) -> None:
-    inner = node.inner
-    if not isinstance(inner, ContainerNode) or inner.kind != "dict":
-        return
-    saved = {
-        k: tuple(tensors[c.index].shape)
-        for k, c in zip(inner.keys, inner.children)
-        if isinstance(c, TensorSlot)
-    }
-    have = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-    problems = [f"{k}: missing from the checkpoint" for k in have if k not in saved]
-    problems += [f"{k}: not in this module" for k in saved if k not in have]
-    problems += [
-        f"{k}: shape {saved[k]} saved, {have[k]} here" for k in saved if k in have and saved[k] != have[k]
-    ]
-    if problems:
-        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
-        msg = (
-            f"{directory}: module {where} does not match the checkpoint ({'; '.join(problems[:8])}{more}); "
-            "build the model with the same architecture and sizes as the one that was saved"
-        )
-        raise _Refused("mismatch", msg)
-
-
-def _placed(tensor: torch.Tensor, device_type: str) -> torch.Tensor:
-    """A loaded tensor moved off the memory map, onto the device type it was saved from where available."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return tensor.to(torch.device("cuda", torch.cuda.current_device()), copy=True)
-    return tensor.clone()
-
-
-def _apply(
-    state: Any,
-    node: StateNode,
-    tensors: list[torch.Tensor],
-    devices: list[str],
-    verified: Callable[[], None] | None = None,
-) -> None:
-    """Write the checkpoint into `state`: tensors in place where shape and dtype match. Torn on failure.
-
-    `verified`, when given, is waited for after the tensors are copied and before anything else changes;
-    it raises if the checksums do not match (the state is then left torn)."""
-    paths = slot_paths(node)
-    index = tensor_index(state, "save")
-    targets = list(tensors)
-    in_place = [False] * len(tensors)
-    set_lineage(state, token=None, torn=True)  # until the whole checkpoint is in
-    with torch.no_grad():
-        for i, p in paths.items():
-            src = tensors[i]
-            mine = index.get(p)
-            if mine is not None and mine.shape == src.shape and mine.dtype == src.dtype:
-                mine.detach().copy_(src)
-                targets[i] = mine
-                in_place[i] = True
-            else:
-                targets[i] = _placed(src, devices[i])
-        if verified is not None:
-            verified()
-        apply_fields(state, node, targets, in_place)
-    set_lineage(state, token=None, torn=False)
 
 
 # ---------------------------------------------------------------------------------------------------------

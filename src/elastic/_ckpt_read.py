@@ -1,0 +1,370 @@
+"""The checkpoint reader: verify one checkpoint and apply it to this rank's state.
+
+Everything that can be checked is checked before the state is touched: the manifest, the fields against
+the class (`strict`), whether pickled objects are needed (`trusted`), the checksums, the content's layout
+and the modules' shapes. Then tensors are copied in place into the state's own tensors where shape and
+dtype match, and the rest is applied with `apply_fields`. When the reader's in-memory state is expendable
+the checksums are computed while the tensors are copied (one pass over the bytes); a mismatch then leaves
+the state torn, which the election accounts for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cloudpickle
+import torch
+
+from ._ckpt_format import (
+    CONTENT,
+    CONTENT_VERSION,
+    HASH,
+    OBJECTS,
+    FormatError,
+    decode_skeleton,
+    hash_file,
+    slot_paths,
+)
+from ._decorator import lineage, saved_fields, set_lineage
+from ._manifest import InvalidCheckpoint, skipped, validate
+from ._tree import (
+    ContainerNode,
+    StatefulNode,
+    StateNode,
+    TensorSlot,
+    apply_fields,
+    kind_of,
+    path_str,
+    tensor_index,
+)
+
+__all__ = ["Refused", "Status", "Verification", "read", "read_into"]
+
+log = logging.getLogger("elastic")
+
+
+@attrs.frozen
+class Status:
+    """The reader's verdict: ``ok``, ``corrupt`` (skip it), or an error kind raised on every rank; and
+    whether the reader's state was left torn (its tenure then counts as `None`)."""
+
+    kind: Literal["ok", "corrupt", "untrusted", "mismatch", "error"]
+    message: str = ""
+    torn: bool = False
+
+
+class Refused(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def read(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool) -> Status:
+    """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
+    try:
+        read_into(state, directory, trusted, strict, stream)
+        return Status("ok")
+    except InvalidCheckpoint as exc:
+        skipped("load", str(exc))
+        return Status("corrupt", str(exc), torn=lineage(state).torn)
+    except Refused as exc:
+        return Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
+    except Exception as exc:
+        text = f"reading {directory} failed: {type(exc).__name__}: {exc}"
+        return Status("error", text, torn=lineage(state).torn)
+
+
+class Verification:
+    """Checksums of one file computed on a helper thread (`wait` raises `InvalidCheckpoint`)."""
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(directory, manifest, name), name="elastic-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+        try:
+            _verify(directory, manifest, name)
+        except BaseException as exc:
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
+    rec = manifest["files"][name]
+    fpath = directory / name
+    try:
+        size, digests = hash_file(fpath, rec["chunk"])
+    except OSError as exc:
+        raise InvalidCheckpoint(f"{fpath}: cannot be read ({exc})") from None
+    if size != rec["size"]:
+        raise InvalidCheckpoint(
+            f"{fpath}: is {size} bytes, the manifest says {rec['size']}: truncated or altered"
+        )
+    for k, (got, want) in enumerate(zip(digests, rec[HASH])):
+        if got != want:
+            a, b = k * rec["chunk"], min(size, (k + 1) * rec["chunk"])
+            raise InvalidCheckpoint(
+                f"{fpath}: {HASH} checksum mismatch in bytes {a}-{b}: the file is damaged"
+            )
+
+
+def read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool = False) -> None:
+    """Read, verify and apply one checkpoint. With `stream`, the content file is verified while it is
+    parsed and copied in (the state is torn if it turns out corrupt); otherwise before."""
+    manifest = validate(directory).manifest
+    cls = type(state)
+    saved_class = manifest.get("class")
+    if saved_class != f"{cls.__module__}.{cls.__qualname__}":
+        log.warning(
+            "load: %s was saved from class %s, loading into %s.%s",
+            directory,
+            saved_class,
+            cls.__module__,
+            cls.__qualname__,
+        )
+    live = [a.name for a in saved_fields(cls)]
+    saved = [f["name"] for f in manifest["fields"]]
+    _check_fields(directory, live, saved, strict, "")
+    applied = [n for n in saved if n in live]
+    needed = [o for o in manifest["objects"] if o.get("field") in applied]
+    if needed and not trusted:
+        names = sorted({str(o.get("field")) for o in needed})
+        detail = ", ".join(f"{o.get('path')} ({o.get('type')})" for o in needed[:8])
+        more = f" and {len(needed) - 8} more" if len(needed) > 8 else ""
+        msg = (
+            f"{directory} stores pickled objects in field(s) {', '.join(repr(n) for n in names)}: "
+            f"{detail}{more}. Unpickling can run arbitrary code, so it is refused by default; pass "
+            "trusted=True for checkpoints you made yourself (or whose author you trust), or store plain data "
+            "(numbers, strings, lists, dicts, tensors) in these fields"
+        )
+        raise Refused("untrusted", msg)
+    verification = Verification(directory, manifest, CONTENT) if stream else None
+    if verification is None:
+        _verify(directory, manifest, CONTENT)
+    try:
+        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed)
+    except BaseException:
+        if verification is not None:
+            verification.wait()  # a checksum mismatch explains a parse failure best
+        raise
+    _apply(state, node, tensors, devices, verification.wait if verification is not None else None)
+
+
+def _parse(
+    state: Any,
+    directory: Path,
+    manifest: dict[str, Any],
+    trusted: bool,
+    strict: bool,
+    applied: list[str],
+    needed: list[Any],
+) -> tuple[StateNode, list[torch.Tensor], list[str]]:
+    """Load the content (weights_only, mmap) and objects, decode the skeleton and check it against the
+    live state. Writes nothing into the state."""
+    objects: list[Any] = []
+    if needed:
+        _verify(directory, manifest, OBJECTS)
+        try:
+            with open(directory / OBJECTS, "rb") as f:
+                objects = cloudpickle.load(f)
+        except Exception as exc:
+            msg = (
+                f"could not unpickle {directory / OBJECTS} ({type(exc).__name__}: {exc}); the classes and "
+                "functions it refers to must be importable here"
+            )
+            raise Refused("error", msg) from None
+        if not isinstance(objects, list):
+            raise InvalidCheckpoint(f"{directory / OBJECTS}: does not hold a list of objects")
+    try:
+        payload = torch.load(directory / CONTENT, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InvalidCheckpoint(
+            f"{directory / CONTENT}: cannot be loaded safely ({type(exc).__name__}: {text})"
+        ) from None
+    tensors, devices, skeleton = _unpack(directory, payload, applied, objects)
+    node = _reconcile(skeleton, state, (), strict, tensors, directory)
+    return node, tensors, devices
+
+
+def _unpack(
+    directory: Path, payload: Any, applied: list[str], objects: list[Any]
+) -> tuple[list[torch.Tensor], list[str], StateNode]:
+    where = directory / CONTENT
+    if not (isinstance(payload, dict) and payload.get("format") == CONTENT_VERSION):
+        raise InvalidCheckpoint(f"{where}: is not an elastic-state content file of version {CONTENT_VERSION}")
+    tensors, devices, plain = payload.get("tensors"), payload.get("devices"), payload.get("skeleton")
+    if not (
+        isinstance(tensors, list)
+        and all(isinstance(t, torch.Tensor) for t in tensors)
+        and isinstance(devices, list)
+        and len(devices) == len(tensors)
+        and all(isinstance(d, str) for d in devices)
+        and isinstance(plain, dict)
+        and isinstance(plain.get("f"), dict)
+    ):
+        raise InvalidCheckpoint(f"{where}: has a malformed layout")
+    pruned = dict(plain)
+    pruned["f"] = {n: v for n, v in plain["f"].items() if n in applied}
+
+    def obj(i: int) -> Any:
+        if i >= len(objects):
+            raise FormatError(f"object {i} is not in {OBJECTS}")
+        return objects[i]
+
+    try:
+        skeleton = decode_skeleton(pruned, len(tensors), obj)
+    except FormatError as exc:
+        raise InvalidCheckpoint(f"{where}: {exc}") from None
+    return tensors, devices, skeleton
+
+
+def _check_fields(directory: Path, live: list[str], saved: list[str], strict: bool, prefix: str) -> None:
+    missing = [prefix + n for n in live if n not in saved]
+    extra = [prefix + n for n in saved if n not in live]
+    if not (missing or extra):
+        return
+    if strict:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+        if extra:
+            parts.append(f"in the checkpoint but not in the class: {', '.join(extra)}")
+        msg = (
+            f"{directory} does not match the state's fields ({'; '.join(parts)}). Pass strict=False to keep "
+            "current values for missing fields and ignore extra ones"
+        )
+        raise Refused("mismatch", msg)
+    if extra:
+        text = f"load: {directory} has fields the class no longer has, ignored: {', '.join(extra)}"
+        log.warning("%s", text)
+        warnings.warn(text, RuntimeWarning, stacklevel=6)
+    if missing:
+        log.info("load: %s lacks fields %s; their current values are kept", directory, ", ".join(missing))
+
+
+_STATEFUL = frozenset({"module", "optimizer", "stateful", "state"})
+
+
+def _saved_kind(node: Any) -> str:
+    if isinstance(node, TensorSlot):
+        return "tensor"
+    if isinstance(node, StatefulNode):
+        return node.kind
+    if isinstance(node, StateNode):
+        return "state"
+    if isinstance(node, ContainerNode):
+        return node.kind
+    return "none" if node is None else "object"
+
+
+def _reconcile(
+    node: StateNode,
+    state: Any,
+    path: tuple[Any, ...],
+    strict: bool,
+    tensors: list[torch.Tensor],
+    directory: Path,
+) -> StateNode:
+    """Check the checkpoint's fields against the live state before anything is written; prune extras."""
+    live = [a.name for a in saved_fields(type(state))]
+    if path:
+        prefix = path_str(path) + "."
+        _check_fields(directory, live, list(node.fields), strict, prefix)
+    fields: dict[str, Any] = {}
+    for name, child in node.fields.items():
+        if name not in live:
+            continue
+        current = getattr(state, name)
+        where = path_str((*path, name))
+        have, want = kind_of(current), _saved_kind(child)
+        if have != want and (have in _STATEFUL or want in _STATEFUL):
+            msg = (
+                f"{directory}: field {where} holds a {want} in the checkpoint but a {have} in this state; "
+                "build the state with the same kinds of values as the one that was saved"
+            )
+            raise Refused("mismatch", msg)
+        if isinstance(child, StateNode):
+            child = _reconcile(child, current, (*path, name), strict, tensors, directory)
+        elif isinstance(child, StatefulNode) and child.kind == "module":
+            _check_module(child, current, where, tensors, directory)
+        fields[name] = child
+    return StateNode(qualname=type(state).__qualname__, fields=fields)
+
+
+def _check_module(
+    node: StatefulNode, module: Any, where: str, tensors: list[torch.Tensor], directory: Path
+) -> None:
+    inner = node.inner
+    if not isinstance(inner, ContainerNode) or inner.kind != "dict":
+        return
+    saved = {
+        k: tuple(tensors[c.index].shape)
+        for k, c in zip(inner.keys, inner.children)
+        if isinstance(c, TensorSlot)
+    }
+    have = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    problems = [f"{k}: missing from the checkpoint" for k in have if k not in saved]
+    problems += [f"{k}: not in this module" for k in saved if k not in have]
+    problems += [
+        f"{k}: shape {saved[k]} saved, {have[k]} here" for k in saved if k in have and saved[k] != have[k]
+    ]
+    if problems:
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        msg = (
+            f"{directory}: module {where} does not match the checkpoint ({'; '.join(problems[:8])}{more}); "
+            "build the model with the same architecture and sizes as the one that was saved"
+        )
+        raise Refused("mismatch", msg)
+
+
+def _placed(tensor: torch.Tensor, device_type: str) -> torch.Tensor:
+    """A loaded tensor moved off the memory map, onto the device type it was saved from where available."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()), copy=True)
+    return tensor.clone()
+
+
+def _apply(
+    state: Any,
+    node: StateNode,
+    tensors: list[torch.Tensor],
+    devices: list[str],
+    verified: Callable[[], None] | None = None,
+) -> None:
+    """Write the checkpoint into `state`: tensors in place where shape and dtype match. Torn on failure.
+
+    `verified`, when given, is waited for after the tensors are copied and before anything else changes;
+    it raises if the checksums do not match (the state is then left torn)."""
+    paths = slot_paths(node)
+    index = tensor_index(state, "save")
+    targets = list(tensors)
+    in_place = [False] * len(tensors)
+    set_lineage(state, token=None, torn=True)  # until the whole checkpoint is in
+    with torch.no_grad():
+        for i, p in paths.items():
+            src = tensors[i]
+            mine = index.get(p)
+            if mine is not None and mine.shape == src.shape and mine.dtype == src.dtype:
+                mine.detach().copy_(src)
+                targets[i] = mine
+                in_place[i] = True
+            else:
+                targets[i] = _placed(src, devices[i])
+        if verified is not None:
+            verified()
+        apply_fields(state, node, targets, in_place)
+    set_lineage(state, token=None, torn=False)
