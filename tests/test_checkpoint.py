@@ -7,6 +7,7 @@ tests spawn 2 gloo ranks once per scenario group and assert in the parent.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import torch
 import elastic
 from dist_harness import run_on_ranks
 from elastic import _checkpoint as C
+from elastic import _ckpt_format as F
 from elastic import _ckpt_read as R
 from elastic import _ckpt_write as W
 from elastic import _manifest as M
@@ -683,6 +685,17 @@ def test_writer_errors_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.
             raise OSError(28, "No space left on device")
 
     monkeypatch.delenv("ELASTIC_FAULT")
+
+    def full(fd: int, view: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(F, "_write_all", full)
+    with pytest.raises(
+        elastic.CheckpointError, match=r"No space left on device\. Free disk space, lower keep="
+    ):
+        elastic.save(s, tmp_path / "root")
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(tmp_path / "root") if n.startswith(".tmp-")]
     s.losses = [NoSpace()]
     with pytest.raises(elastic.CheckpointError, match=r"cannot pickle losses\.0"):
         elastic.save(s, tmp_path / "root")
@@ -940,12 +953,20 @@ def _grouped_checks(rank: int, world: int, base: str, single_ckpt: str) -> dict[
     out["disk_report"] = report
     out["disk_state"] = (s.step, s.losses, float(next(s.model.parameters())[0, 0]))
 
-    # 4. node-local disks: one directory per rank; the rank that holds the best checkpoint reads it;
-    #    its damaged newest one makes the group re-elect (rank 0's is next)
+    # 4. node-local disks: one directory per rank; the rank that holds the best checkpoint reads it...
     mine = Path(base) / f"local{rank}"
-    for step in (3, 7, 9) if rank == 1 else (8,):
+
+    def write_local(step: int) -> None:
         w = state(10 + rank, step)
         assert writer.run_job(writer.prepare(w, mine, None, rank, 1, step, False)).error is None
+
+    for step in (3, 7) if rank == 1 else (5,):
+        write_local(step)
+    s = state(rank, 0)
+    out["best_report"] = elastic.load(s, mine, timeout=30)
+    out["best_state"] = (s.step, s.losses)
+    #    ... and when its newest one is damaged, the group re-elects (rank 0's is next)
+    write_local(9 if rank == 1 else 8)
     if rank == 1:
         _flip(mine / "ckpt-000000000009" / "state.pt")
     s = state(rank, 0)
@@ -994,6 +1015,15 @@ def _grouped_checks(rank: int, world: int, base: str, single_ckpt: str) -> dict[
         elastic.load(e, Path(base) / "objects", timeout=30)
     except elastic.UntrustedCheckpointError as exc:
         out["untrusted"] = str(exc)
+
+    # 9. a rank that does not take part: the other gets a timeout error naming the operation and phase
+    if rank == 0:
+        try:
+            elastic.save(e, Path(base) / "alone", timeout=2)
+        except elastic.ElasticError as exc:
+            out["alone"] = (type(exc).__name__, str(exc))
+    else:
+        time.sleep(4)
     return out
 
 
@@ -1012,6 +1042,10 @@ def test_grouped_save_and_load(tmp_path: Path) -> None:
         assert r["memory_state"] == (10, [1.0], 10.0)
         assert r["disk_report"] == elastic.LoadReport("checkpoint", 0, 5, root / "ckpt-000000000005", 2, 2)
         assert r["disk_state"] == (5, [1.0], 5.0)
+        assert r["best_report"] == elastic.LoadReport(
+            "checkpoint", 1, 7, tmp_path / "local1" / "ckpt-000000000007", 2, 1
+        )
+        assert r["best_state"] == (7, [11.0])
         assert r["local_report"].source == "checkpoint" and r["local_report"].src == 0
         assert r["local_report"].tenure == 8
         assert r["local_report"].path == tmp_path / "local0" / "ckpt-000000000008"
@@ -1027,6 +1061,8 @@ def test_grouped_save_and_load(tmp_path: Path) -> None:
         assert r["single_report"].source == "checkpoint" and r["single_report"].tenure == 4
         assert "trusted=True" in r["untrusted"] and "read by rank" in r["untrusted"]
     assert any("local1/ckpt-000000000009/state.pt" in w and "checksum" in w for w in r1["local_warnings"])
+    kind, text = r0["alone"]
+    assert kind == "SyncError" and "save timed out in phase 'save-elect'" in text
     assert r0["node_path"] == str(tmp_path / "node0" / "ckpt-000000000021")
     assert r1["node_path"] == str(tmp_path / "node1" / "ckpt-000000000021")
     for rank in (0, 1):
