@@ -172,15 +172,17 @@ def test_buffers_are_reused_and_can_be_released() -> None:
     transport.release_buffers()
     cpu = torch.device("cpu")
     first = transport._take_buffers(cpu, 100, 2)
+    assert [b.numel() for b in first] == [100, 100]
     transport._return_buffers(cpu, first)
     assert transport.cached_bytes() == 200
-    again = transport._take_buffers(cpu, 80, 2)  # smaller needs reuse the cached buffers
-    assert [b.data_ptr() for b in again] == [b.data_ptr() for b in first]
-    assert transport.cached_bytes() == 0  # owned by the transfer until it returns them
-    transport._return_buffers(cpu, again)
-    bigger = transport._take_buffers(cpu, 300, 2)
-    assert all(b.numel() == 300 for b in bigger)
+    one = transport._take_buffers(cpu, 80, 1)  # a smaller need reuses the cached buffers, all kept
+    assert [b.data_ptr() for b in one] == [b.data_ptr() for b in first]
+    assert transport.cached_bytes() == 0  # owned by the transfer until it hands them back
+    transport._return_buffers(cpu, one)
+    bigger = transport._take_buffers(cpu, 300, 2)  # too small: replaced
+    assert [b.numel() for b in bigger] == [300, 300]
     transport._return_buffers(cpu, bigger)
+    transport._return_buffers(cpu, first)  # a smaller set returned later does not replace a larger one
     assert transport.cached_bytes() == 600
     transport.release_buffers()
     assert transport.cached_bytes() == 0

@@ -146,20 +146,21 @@ _buffers: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _take_buffers(device: torch.device, size: int, count: int) -> list[torch.Tensor]:
-    """`count` uint8 buffers of at least `size` bytes on `device`, taken from the cache when it has them.
+    """At least `count` uint8 buffers of at least `size` bytes on `device` (use the first `count`).
 
-    A transfer owns its buffers until `_return_buffers`, so two transfers in different threads never
-    share one.
+    The cached buffers that are large enough come first; the caller owns the list until it hands it back
+    with `_return_buffers`, so two transfers in different threads never share a buffer.
     """
     with _cache_lock:
         cached = _buffers.pop(device, [])
-    bufs = [b for b in cached if b.numel() >= size][:count]
+    bufs = [b for b in cached if b.numel() >= size]
     while len(bufs) < count:
         bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
     return bufs
 
 
 def _return_buffers(device: torch.device, bufs: list[torch.Tensor]) -> None:
+    """Keep `bufs` for the next transfer (unless another thread returned a larger set meanwhile)."""
     with _cache_lock:
         if device not in _buffers or sum(b.numel() for b in bufs) > sum(b.numel() for b in _buffers[device]):
             _buffers[device] = bufs
@@ -265,7 +266,8 @@ def send_tensors(
                 on_error(exc)
             works.append((comm.issue(phase, dist.broadcast, tensors[i], gsrc), phase))
         if buckets:
-            bufs = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+            owned = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+            bufs = owned[: min(depth, len(buckets))]
             pending: deque[tuple[Any, str]] = deque()
             for k, bucket in enumerate(buckets):
                 phase = f"bucket {k}"
@@ -282,7 +284,7 @@ def send_tensors(
                 pending.append((comm.issue(phase, dist.broadcast, buf, gsrc), phase))
             while pending:
                 comm.wait(*pending.popleft())
-            _return_buffers(comm.device, bufs)
+            _return_buffers(comm.device, owned)
         for work, phase in works:
             comm.wait(work, phase)
 
@@ -366,7 +368,8 @@ def _receive_buckets(
     failed: Callable[[], bool],
     fail: Callable[[BaseException], None],
 ) -> None:
-    bufs = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+    owned = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+    bufs = owned[: min(depth, len(buckets))]
     temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
 
     def unpack(buf: torch.Tensor, bucket: Bucket) -> None:
@@ -410,4 +413,4 @@ def _receive_buckets(
         nxt = k + len(bufs)
         if nxt < len(buckets):
             pending.append((nxt, comm.issue(f"bucket {nxt}", dist.broadcast, buf[: buckets[nxt].size], gsrc)))
-    _return_buffers(comm.device, bufs)
+    _return_buffers(comm.device, owned)
