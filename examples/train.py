@@ -9,15 +9,19 @@ start `elastic.load` gives every worker the most tenured state in the group (mem
         examples/train.py --steps 60 --save-every 20 --fail-at 25
 
 `--fail-at STEP` makes one worker die at that step on the first attempt (torchrun restarts the group,
-which resumes from the last checkpoint). `--ckpt` may contain `{rank}` or `{node}` for node-local disks;
-checkpoints are then written with `scope="node"`.
+which resumes from the last checkpoint). `--ckpt` may contain `{node}` (torchrun's GROUP_RANK) or `{rank}`
+for node-local disks: checkpoints are then written with `scope="node"`, by the most tenured worker of
+every node into that node's directory (so `{rank}` suits one worker per node). `--fail-wipe` makes the
+dying worker delete its node's directory first: the machine that replaces it starts with an empty disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -70,6 +74,14 @@ def make_state(seed: int, world_size: int) -> TrainState:
     return TrainState(model, optimizer, scheduler, world_size=world_size)
 
 
+def fingerprint(model: torch.nn.Module) -> str:
+    """A short digest of the weights, to show in the log which state a worker holds."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().numpy().tobytes())
+    return digest.hexdigest()[:8]
+
+
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This worker's shard of the global batch of `step` (the same data whatever the restarts)."""
     target = torch.Generator().manual_seed(1234)
@@ -106,40 +118,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", default="ckpt/", help="checkpoint root; may contain {rank} or {node}")
     p.add_argument("--fail-at", type=int, default=None, help="one worker dies at this step (first attempt)")
     p.add_argument("--fail-rank", type=int, default=None, help="which worker dies (default: the last)")
+    p.add_argument("--fail-wipe", action="store_true", help="the dying worker deletes its node's --ckpt")
     p.add_argument("--keep", type=int, default=3)
-    p.add_argument("--out", default=None, help="write the final state dict here (rank 0), for comparisons")
+    p.add_argument("--timeout", type=float, default=300, help="seconds any collective may wait for a peer")
+    p.add_argument("--out", default=None, help="save the final state here (rank 0; every rank with {rank})")
     args = p.parse_args(argv)
+    node_local = "{rank}" in args.ckpt or "{node}" in args.ckpt
+    if args.fail_wipe and not node_local:
+        p.error("--fail-wipe deletes a node-local checkpoint directory: --ckpt needs {rank} or {node}")
 
-    elastic.init_process_group()  # torchrun-safe: never torch's init_process_group directly
+    elastic.init_process_group(timeout=args.timeout)  # torchrun-safe: never torch's directly
     rank, world_size = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     fmt = f"[rank {rank}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout, force=True)
-    node = os.environ.get("GROUP_RANK", "0")
-    ckpt = args.ckpt.format(rank=rank, node=node)
-    scope = "node" if ("{rank}" in args.ckpt or "{node}" in args.ckpt) else "global"
+    ckpt = args.ckpt.format(rank=rank, node=os.environ.get("GROUP_RANK", "0"))
+    scope = "node" if node_local else "global"
 
     # Every worker starts from its own random initialisation: the election decides what they train.
     state = make_state(seed=1000 * attempt + rank, world_size=world_size)
+    own = fingerprint(state.model)
     report = elastic.load(state, ckpt)
     log.info(
-        "attempt %d: elected rank %d, resuming from %s at tenure %s (step %d, world size %d)",
+        "attempt %d: elected rank %d, resuming from %s at tenure %s (step %d, world size %d); "
+        "weights %s -> %s",
         attempt,
         report.src,
         report.source if report.path is None else f"checkpoint {report.path}",
         report.tenure,
         state.step,
         world_size,
+        own,
+        fingerprint(state.model),
     )
     fail_rank = world_size - 1 if args.fail_rank is None else args.fail_rank
-    loss = float("nan")
     while state.step < args.steps:
         if args.fail_at is not None and state.step == args.fail_at and attempt == 0 and rank == fail_rank:
+            if args.fail_wipe:  # a replaced machine: its successor finds an empty disk
+                shutil.rmtree(ckpt, ignore_errors=True)
+                log.info("injected failure: deleted %s", ckpt)
             log.info("injected failure: dying at step %d", state.step)
             sys.stdout.flush()
             os._exit(1)
         try:
-            loss = train_step(state, rank, world_size)
+            train_step(state, rank, world_size)
             if state.step % args.save_every == 0 or state.step == args.steps:
                 path = elastic.save(state, ckpt, keep=args.keep, scope=scope)
                 log.info("step %d: checkpoint %s", state.step, path)
@@ -152,19 +174,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             sys.stdout.flush()
             os._exit(1)
-    log.info("done: step %d, final loss %.6f", state.step, loss if state.history else float("nan"))
-    if args.out and rank == 0:
-        torch.save(
-            {
-                "model": state.model.state_dict(),
-                "optimizer": state.optimizer.state_dict(),
-                "history": state.history,
-                "step": state.step,
-                "samples": state.samples,
-                "world_size": state.world_size,
-            },
-            args.out,
-        )
+    loss = state.history[-1] if state.history else float("nan")
+    log.info("done: step %d, final loss %.6f, weights %s", state.step, loss, fingerprint(state.model))
+    if args.out and (rank == 0 or "{rank}" in args.out):
+        final = {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "step": state.step,
+            "epoch": state.epoch,
+            "samples": state.samples,
+            "world_size": state.world_size,
+            "history": state.history,
+        }
+        torch.save(final, args.out.format(rank=rank))
     dist.destroy_process_group()
     return 0
 
