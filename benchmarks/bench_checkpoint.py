@@ -10,6 +10,10 @@ table reports medians over rounds and the ratios to bare torch measured in the s
   `torch.load(file, weights_only=True)` plus `model.load_state_dict` and `optimizer.load_state_dict`;
 - async: how long `elastic.save(state, root, blocking=False)` blocks the caller, against a blocking save.
 
+Before each timed call the disk is synced (untimed), so that no call pays for another's writeback. CPU
+seconds (all threads of this process) are printed too: on a shared machine wall times depend on how many
+cores are idle, and elastic's checksums run on a second core while the first writes or copies.
+
 Run: ``python benchmarks/bench_checkpoint.py [--rounds 7] [--mib 256] [--dir DIR]``.
 """
 
@@ -58,10 +62,11 @@ def state_bytes(state: TrainState) -> int:
     return total
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall-clock seconds and this process's CPU seconds (all threads) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -73,6 +78,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     state = build(args.mib)
     size = state_bytes(state)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -120,10 +126,11 @@ def main() -> None:
             report = elastic.load(state, root)
             assert report.source == "checkpoint", report
 
-        times: dict[str, list[float]] = {
+        times: dict[str, list[tuple[float, float]]] = {
             k: [] for k in ("bare_save", "bare_fsync", "save", "async", "bare_load", "load")
         }
-        def quiet(fn: Callable[[], Any]) -> float:
+
+        def quiet(fn: Callable[[], Any]) -> tuple[float, float]:
             os.sync()  # start from a quiet disk: torch.save leaves its writeback to whoever syncs next
             return timed(fn)
 
@@ -137,31 +144,32 @@ def main() -> None:
             steps = state.step
             times["load"].append(quiet(our_load))
             state.step = steps
-        med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        med = {k: statistics.median(w for w, _ in v[1:]) for k, v in times.items()}
+        cpu = {k: statistics.median(c for _, c in v[1:]) for k, v in times.items()}
 
     print(
-        f"state: {size / 2**20:.0f} MiB (model + Adam), {args.rounds} rounds, medians, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs"
+        f"state: {size / 2**20:.0f} MiB (model + Adam); {args.rounds} interleaved rounds, medians; "
+        f"torch {torch.__version__}; {os.cpu_count()} CPUs; load average before the run {load_before}"
     )
     print()
-    print("| operation | elastic | bare torch | ratio | target |")
-    print("|---|---:|---:|---:|---:|")
-    print(
-        f"| save (checksums, fsync, atomic rename) vs `torch.save` | {med['save']:.3f} s | {med['bare_save']:.3f} s "
-        f"| {med['save'] / med['bare_save']:.2f}x | <= 1.2x |"
-    )
-    print(
-        f"| save vs `torch.save` + `fsync` | {med['save']:.3f} s | {med['bare_fsync']:.3f} s "
-        f"| {med['save'] / med['bare_fsync']:.2f}x | |"
-    )
-    print(
-        f"| load (verify checksums, in place) vs `torch.load` + `load_state_dict` | {med['load']:.3f} s "
-        f"| {med['bare_load']:.3f} s | {med['load'] / med['bare_load']:.2f}x | <= 1.2x |"
-    )
-    print(
-        f"| `save(blocking=False)` blocks the caller vs blocking save | {med['async']:.3f} s | {med['save']:.3f} s "
-        f"| {med['async'] / med['save']:.2f}x | <= 0.25x |"
-    )
+    rows = [
+        ("save (checksums, fsync, atomic rename) vs `torch.save`", "save", "bare_save", "<= 1.2x"),
+        ("save vs `torch.save` + `fsync`", "save", "bare_fsync", ""),
+        (
+            "load (verify checksums, in place) vs `torch.load` + `load_state_dict`",
+            "load",
+            "bare_load",
+            "<= 1.2x",
+        ),
+        ("`save(blocking=False)` blocks the caller vs a blocking save", "async", "save", "<= 0.25x"),
+    ]
+    print("| operation | elastic | bare | ratio | target | CPU s elastic / bare |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, ours, theirs, target in rows:
+        print(
+            f"| {label} | {med[ours]:.3f} s | {med[theirs]:.3f} s | {med[ours] / med[theirs]:.2f}x | {target} "
+            f"| {cpu[ours]:.3f} / {cpu[theirs]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

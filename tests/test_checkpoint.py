@@ -188,8 +188,7 @@ def _resign(directory: Path) -> None:
     mpath = directory / "manifest.json"
     manifest = json.loads(mpath.read_text())
     for name, rec in manifest["files"].items():
-        size, digests = hash_file(directory / name, rec["chunk"])
-        rec["size"], rec["sha256"] = size, list(digests)
+        rec["size"], rec["sha256_tree"] = hash_file(directory / name, rec["chunk"])
     manifest["digest"] = M._digest_of(manifest)
     mpath.write_text(json.dumps(manifest))
 
@@ -283,7 +282,7 @@ def test_manifest_contents(tmp_path: Path) -> None:
         step: int = 31
         fn: Any = None
 
-    path = elastic.save(Epochs(torch.arange(5.0), fn=len), tmp_path)
+    path = elastic.save(Epochs(torch.arange(1_500_000.0), fn=len), tmp_path)  # state.pt: several chunks
     assert isinstance(path, Path) and path.name == "ckpt-000000000002-000000000031"
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format"] == "elastic-state" and manifest["version"] == 1
@@ -307,7 +306,9 @@ def test_manifest_contents(tmp_path: Path) -> None:
         data = (path / name).read_bytes()
         assert rec["size"] == len(data) and rec["chunk"] == CHUNK
         chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
-        assert rec["sha256"] == [hashlib.sha256(c).hexdigest() for c in chunks]
+        assert len(chunks) == (3 if name == "state.pt" else 1)
+        tree = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+        assert rec["sha256_tree"] == tree
     assert manifest["digest"] == M._digest_of(manifest)
     assert M.validate(path).tenure == (2, 31)
 

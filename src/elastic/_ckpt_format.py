@@ -9,11 +9,12 @@ unambiguous: ``{"$": "t", "i": 3}`` is tensor 3, ``{"$": "o", "i": 0}`` is objec
 ``{"$": "state" | "stateful" | "dict" | "odict" | "list" | "tuple" | "ntuple" | "set" | "fset", ...}`` are
 the containers. A namedtuple's type is an object too (importing a class can run code).
 
-Files are checksummed with SHA-256 over fixed chunks (`CHUNK` bytes each, one digest per chunk): writing
-hashes the chunks of each buffer on helper threads while the calling thread writes it, and reading hashes
-the chunks in parallel over a memory map, so verification costs one pass over the bytes spread over the
-cores. While a file is written, the kernel is asked to start writing back what is already written (Linux
-`sync_file_range`), so the final `fsync` finds little left to do.
+Each file's checksum is a SHA-256 hash tree of depth one: the SHA-256 of the concatenated SHA-256 digests
+of its `CHUNK`-byte pieces (the manifest records the root and the chunk size). The pieces can be hashed
+in parallel: writing hashes the pieces of each buffer on helper threads while the calling thread writes
+it, and reading hashes them in parallel over a memory map, so verification costs one pass over the bytes
+spread over the cores. While a file is written, the kernel is asked to start writing back what is already
+written (Linux `sync_file_range`), so the final `fsync` finds little left to do.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -40,6 +42,7 @@ __all__ = [
     "CHUNK",
     "CONTENT",
     "HASH",
+    "TREE_KEY",
     "MANIFEST",
     "OBJECTS",
     "Encoded",
@@ -49,6 +52,7 @@ __all__ = [
     "encode_skeleton",
     "fsync_dir",
     "hash_file",
+    "one_torch_thread",
     "slot_paths",
     "write_bytes",
     "write_content",
@@ -60,7 +64,8 @@ CONTENT = "state.pt"
 OBJECTS = "objects.pkl"
 #: The checksum algorithm and the size of each checksummed chunk.
 HASH = "sha256"
-CHUNK = 8 * 2**20
+TREE_KEY = "sha256_tree"
+CHUNK = 2 * 2**20
 #: Version of the layout of ``state.pt``'s top-level dict.
 CONTENT_VERSION = 1
 
@@ -274,6 +279,28 @@ def slot_paths(node: Any, path: tuple[Any, ...] = ()) -> dict[int, tuple[Any, ..
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Copies
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run bulk tensor copies on the calling thread only.
+
+    torch parallelises large `copy_` calls over its intra-op pool; copying out of a memory-mapped file
+    that way makes the pool's threads fault pages in concurrently and spin while they wait, which costs
+    several times a plain single-threaded copy (and hurts most when the cores are busy, e.g. hashing).
+    """
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Hashing
 
 
@@ -282,14 +309,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 
 
+def _pool_workers() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
 def _hash_pool() -> ThreadPoolExecutor:
     """Threads for hashing (hashlib releases the GIL); made on first use, again after a fork."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(
-                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="elastic-hash"
-            )
+            _pool = ThreadPoolExecutor(max_workers=_pool_workers(), thread_name_prefix="elastic-hash")
             _pool_pid = os.getpid()
         return _pool
 
@@ -300,11 +329,16 @@ class FileRecord:
 
     name: str
     size: int
-    digests: tuple[str, ...]
+    digest: str
     chunk: int = CHUNK
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "chunk": self.chunk, HASH: list(self.digests)}
+        return {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest}
+
+
+def tree_root(chunk_digests: list[bytes]) -> str:
+    """The checksum of a file from the digests of its chunks, in order."""
+    return hashlib.new(HASH, b"".join(chunk_digests)).hexdigest()
 
 
 def n_chunks(size: int, chunk: int) -> int:
@@ -368,9 +402,9 @@ class HashingWriter:
     def flush(self) -> None:
         self._flush_gathered()
 
-    def digests(self) -> tuple[str, ...]:
+    def digest(self) -> str:
         self._flush_gathered()
-        return tuple(h.hexdigest() for h in self._hashes)
+        return tree_root([h.digest() for h in self._hashes])
 
     @property
     def size(self) -> int:
@@ -451,7 +485,7 @@ def write_content(
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileRecord(os.path.basename(path), writer.size, writer.digests())
+    return FileRecord(os.path.basename(path), writer.size, writer.digest())
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> FileRecord:
@@ -464,7 +498,7 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> FileRecord:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileRecord(os.path.basename(path), writer.size, writer.digests())
+    return FileRecord(os.path.basename(path), writer.size, writer.digest())
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -481,32 +515,42 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def hash_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> tuple[int, tuple[str, ...]]:
-    """The size and per-chunk checksums of a file, chunks hashed in parallel over a memory map."""
+def hash_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> tuple[int, str]:
+    """The size and checksum (see the module's docstring) of a file, hashed in parallel over a memory map.
+
+    The chunks are split into a few runs of consecutive chunks, one per helper thread.
+    """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            return 0, ()
+            return 0, tree_root([])
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                ranges = [(k * chunk, min(size, (k + 1) * chunk)) for k in range(n_chunks(size, chunk))]
-                if len(ranges) == 1:
-                    digests = [hashlib.new(HASH, view[: ranges[0][1]]).hexdigest()]
+                total = n_chunks(size, chunk)
+                workers = _pool_workers()
+                per_run = max(1, math.ceil(total / workers))
+                runs = [(k, min(total, k + per_run)) for k in range(0, total, per_run)]
+                if len(runs) == 1:
+                    digests = _digest_run(view, chunk, size, *runs[0])
                 else:
-                    pool = _hash_pool()
-                    futures = [pool.submit(_digest, view[a:b]) for a, b in ranges]
-                    digests = [fut.result() for fut in futures]
+                    futures = [_hash_pool().submit(_digest_run, view, chunk, size, a, b) for a, b in runs]
+                    digests = [d for fut in futures for d in fut.result()]
             finally:
                 view.release()
-    return size, tuple(digests)
+    return size, tree_root(digests)
 
 
-def _digest(view: memoryview) -> str:
-    try:
-        return hashlib.new(HASH, view).hexdigest()
-    finally:
-        view.release()
+def _digest_run(view: memoryview, chunk: int, size: int, first: int, stop: int) -> list[bytes]:
+    """The digests of chunks `first` to `stop - 1` of a mapped file."""
+    out = []
+    for k in range(first, stop):
+        piece = view[k * chunk : min(size, (k + 1) * chunk)]
+        try:
+            out.append(hashlib.new(HASH, piece).digest())
+        finally:
+            piece.release()
+    return out
 
 
 def pickle_objects(encoded: Encoded) -> bytes:

@@ -34,6 +34,7 @@ from ._ckpt_format import (
     OBJECTS,
     encode_skeleton,
     fsync_dir,
+    one_torch_thread,
     pickle_objects,
     write_bytes,
     write_content,
@@ -133,7 +134,7 @@ _staging: list[torch.Tensor] = []
 def stage_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """CPU copies of `tensors` for a background write, in reused buffers (pinned for CUDA sources)."""
     global _staging
-    with _staging_lock:
+    with _staging_lock, one_torch_thread():
         old = _staging
         out: list[torch.Tensor] = []
         cuda = False

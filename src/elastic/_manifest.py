@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from ._ckpt_format import CONTENT, HASH, MANIFEST, OBJECTS, n_chunks
+from ._ckpt_format import CONTENT, HASH, MANIFEST, OBJECTS, TREE_KEY
 
 __all__ = [
     "FORMAT",
@@ -269,9 +269,8 @@ def validate(directory: Path) -> Candidate:
             and rec["size"] >= 0
             and isinstance(rec.get("chunk"), int)
             and rec["chunk"] > 0
-            and isinstance(rec.get(HASH), list)
-            and all(isinstance(d, str) and len(d) == 64 for d in rec[HASH])
-            and len(rec[HASH]) == n_chunks(rec["size"], rec["chunk"])
+            and isinstance(rec.get(TREE_KEY), str)
+            and len(rec[TREE_KEY]) == 64
         ):
             raise _bad(mpath, f"has a malformed record for {name}")
         try:
