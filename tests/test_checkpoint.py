@@ -875,7 +875,7 @@ def test_sigkill_during_save_never_publishes_a_partial_checkpoint(tmp_path: Path
         assert _consistent(s), (fault, delay, report)
         if report.source == "checkpoint":
             steps_seen.append(report.tenure)
-    assert len(set(steps_seen)) >= 3, steps_seen  # the children made progress between kills
+    assert len(set(steps_seen)) >= 2, steps_seen  # the children made progress between kills
     assert steps_seen == sorted(steps_seen)
 
     # a real interpreter killed at a random moment, from a subprocess
