@@ -348,6 +348,13 @@ def test_tenure_must_be_json_and_not_none(tmp_path: Path) -> None:
     assert not tmp_path.exists() or _ckpts(tmp_path) == []
 
 
+def test_node_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert C._node_id() == "group-rank 3"  # torchrun's agent: several per host in tests
+    monkeypatch.delenv("GROUP_RANK")
+    assert C._node_id() == f"host {socket.gethostname()}"
+
+
 def test_methods_and_on_sync(tmp_path: Path) -> None:
     src = _plain(0, steps=2)
     path = src.save(tmp_path)  # the generated method
@@ -1068,4 +1075,3 @@ def test_grouped_save_and_load(tmp_path: Path) -> None:
     assert r1["node_path"] == str(tmp_path / "node1" / "ckpt-000000000021")
     for rank in (0, 1):
         assert M.validate(tmp_path / f"node{rank}" / "ckpt-000000000021").tenure == 21
-    assert socket.gethostname()  # node ids fall back to the hostname without GROUP_RANK
