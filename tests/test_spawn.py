@@ -75,13 +75,19 @@ ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
 
 
 @pytest.mark.timeout(120)
-def test_closure_kwargs_rank_order_output_and_a_second_call(capsys: pytest.CaptureFixture[str]) -> None:
+def test_closure_kwargs_rank_order_output_and_a_second_call(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     offset = 100  # captured by the closure
+    folder = str(tmp_path)
 
     def work(scale: int, *, label: str) -> dict:
+        import atexit
+
         import torch.distributed as dist
 
         rank = dist.get_rank()
+        atexit.register(Path(folder, f"atexit-{rank}").write_text, "ran")
         print(f"hello from {label} {rank}")
         print(f"warning from {rank}", file=sys.stderr)
         return {
@@ -110,6 +116,7 @@ def test_closure_kwargs_rank_order_output_and_a_second_call(capsys: pytest.Captu
         assert f"[rank {rank}] hello from worker {rank}\n" in captured.out
         assert f"[rank {rank}] warning from {rank}\n" in captured.err
     _assert_no_workers_left([r["pid"] for r in results])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1", "atexit-2"]
 
     # A second call in the same process: a lambda, a fresh port, same clean exit.
     again = elastic.spawn(lambda a, b: (a + b, os.getpid(), os.environ["MASTER_PORT"]), 2, args=(1, 2))

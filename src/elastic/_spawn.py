@@ -19,6 +19,7 @@ them. What it adds:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -604,5 +605,10 @@ def _worker_main() -> None:
     _write_atomic(out / f"result-{restart}-{rank}", data)
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Exit without tearing the interpreter down: a process that used a gloo group and imported
+    # torch._dynamo (optimizers do) sometimes aborts in teardown ("terminate called without an active
+    # exception", SIGABRT), which would turn a finished run into a failure. atexit callbacks still run.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)
