@@ -546,8 +546,14 @@ def _dead_peers(out: Path, restart: int, rank: int, wait: float = 0.1) -> list[i
 
 
 def _type_name(exc: BaseException) -> str:
+    """``ValueError``, ``elastic.SyncError`` (the public name, not ``elastic._errors``), ``pkg.mod.Error``."""
     cls = type(exc)
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    top = sys.modules.get(cls.__module__.split(".")[0])
+    if top is not None and getattr(top, cls.__qualname__, None) is cls:
+        return f"{top.__name__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _worker_main() -> None:
@@ -596,9 +602,13 @@ def _worker_main() -> None:
             "traceback": "".join(tb),
         }
         _write_atomic(out / f"error-{restart}-{rank}", pickle.dumps(record))
-        if restart < config["max_restarts"]:
-            sys.stderr.write("".join(tb))
-            sys.stderr.write(f"attempt {restart} failed; elastic.spawn restarts the group\n")
+        if restart < config["max_restarts"]:  # the caller never sees this failure: say it here, briefly
+            lines = str(exc).strip().splitlines()
+            text = lines[0] if lines else ""
+            text = text if len(text) <= 160 else text[:157] + "..."
+            sys.stderr.write(
+                f"attempt {restart} failed with {record['type']}: {text}; elastic.spawn restarts the group\n"
+            )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
