@@ -166,8 +166,9 @@ def main() -> None:
     print("| operation | elastic | bare | ratio | target | CPU s elastic / bare |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, ours, theirs, target in rows:
+        ratio = med[ours] / med[theirs]
         print(
-            f"| {label} | {med[ours]:.3f} s | {med[theirs]:.3f} s | {med[ours] / med[theirs]:.2f}x | {target} "
+            f"| {label} | {med[ours]:.3f} s | {med[theirs]:.3f} s | {ratio:.2f}x | {target} "
             f"| {cpu[ours]:.3f} / {cpu[theirs]:.3f} |"
         )
 
