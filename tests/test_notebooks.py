@@ -63,7 +63,7 @@ def cell_text(cell: Any) -> str:
 
 
 def test_there_are_notebooks() -> None:
-    assert [p.name for p in NOTEBOOKS] == ["quickstart.ipynb"]
+    assert "quickstart.ipynb" in [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.timeout(600)

@@ -8,6 +8,7 @@ first attempt.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -210,9 +211,7 @@ def test_torchrun_restart_after_a_worker_dies(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    for rank in range(2):
-        assert f"attempt 0 rank {rank} sum 3.0 agent store True" in lines
-        assert f"attempt 1 rank {rank} sum 3.0 agent store True" in lines
-        assert f"done attempt 1 rank {rank}" in lines
-    assert not any(line.startswith("done attempt 0") for line in lines)
+    # Both workers write to torchrun's stdout: lines of different ranks may run into each other.
+    seen = set(re.findall(r"attempt (\d) rank (\d) sum 3\.0 agent store True", done.stdout))
+    assert seen == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
+    assert sorted(re.findall(r"done attempt (\d) rank (\d)", done.stdout)) == [("1", "0"), ("1", "1")]
