@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -188,7 +189,7 @@ def _resign(directory: Path) -> None:
     mpath = directory / "manifest.json"
     manifest = json.loads(mpath.read_text())
     for name, rec in manifest["files"].items():
-        rec["size"], rec["sha256_tree"] = hash_file(directory / name, rec["chunk"])
+        rec["size"], rec["crc32_tree"] = hash_file(directory / name, rec["chunk"])
     manifest["digest"] = M._digest_of(manifest)
     mpath.write_text(json.dumps(manifest))
 
@@ -307,8 +308,8 @@ def test_manifest_contents(tmp_path: Path) -> None:
         assert rec["size"] == len(data) and rec["chunk"] == CHUNK
         chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
         assert len(chunks) == (3 if name == "state.pt" else 1)
-        tree = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
-        assert rec["sha256_tree"] == tree
+        crcs = b"".join(zlib.crc32(c).to_bytes(4, "little") for c in chunks)
+        assert rec["crc32_tree"] == hashlib.sha256(crcs).hexdigest()
     assert manifest["digest"] == M._digest_of(manifest)
     assert M.validate(path).tenure == (2, 31)
 

@@ -4,7 +4,7 @@ Decorate an attrs class with `@elastic_state(tenure=...)`; `sync`, `save` and `l
 tenured state in the group and give it to every rank.
 """
 
-from ._checkpoint import LoadReport, load, save
+from ._checkpoint import LoadReport, SaveHandle, load, save
 from ._decorator import elastic_state
 from ._errors import (
     CheckpointCorruptError,
@@ -33,6 +33,7 @@ __all__ = [
     "DivergenceError",
     "ElasticError",
     "LoadReport",
+    "SaveHandle",
     "StateMismatchError",
     "SyncError",
     "SyncReport",

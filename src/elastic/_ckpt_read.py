@@ -24,7 +24,6 @@ import torch
 from ._ckpt_format import (
     CONTENT,
     CONTENT_VERSION,
-    HASH,
     OBJECTS,
     TREE_KEY,
     FormatError,
@@ -116,7 +115,7 @@ def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
             f"{fpath}: is {size} bytes, the manifest says {rec['size']}: truncated or altered"
         )
     if digest != rec[TREE_KEY]:
-        raise InvalidCheckpoint(f"{fpath}: {HASH} checksum mismatch: the file is damaged or was altered")
+        raise InvalidCheckpoint(f"{fpath}: checksum mismatch: the file is damaged or was altered")
 
 
 def read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool = False) -> None:
