@@ -435,6 +435,7 @@ def spawn(
     td = as_timedelta(timeout, "elastic.spawn")
     seconds = None if td is None else td.total_seconds()
 
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401  (its logger, early)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
