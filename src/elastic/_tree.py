@@ -78,6 +78,8 @@ class ContainerNode:
     type: type
     keys: tuple[Any, ...]
     children: tuple[Any, ...]
+    #: every child is a plain scalar (a long metrics history, say): no node to walk below
+    atomic: bool = False
 
 
 @attrs.frozen
@@ -231,9 +233,14 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
         children = tuple(_walk(value[k], (*path, k), which, leaf) for k in keys)
         return ContainerNode("dict", type(value), keys, children)
     if kind in ("list", "tuple"):
+        if all(type(v) in _ATOMIC for v in value):
+            return ContainerNode(kind, type(value), (), tuple(value), atomic=True)
         children = tuple(_walk(v, (*path, i), which, leaf) for i, v in enumerate(value))
         return ContainerNode(kind, type(value), (), children)
     return value
+
+
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def slots_in(node: Any) -> Iterator[int]:
@@ -245,7 +252,7 @@ def slots_in(node: Any) -> Iterator[int]:
     elif isinstance(node, StateNode):
         for child in node.fields.values():
             yield from slots_in(child)
-    elif isinstance(node, ContainerNode):
+    elif isinstance(node, ContainerNode) and not node.atomic:
         for child in node.children:
             yield from slots_in(child)
 
@@ -302,6 +309,12 @@ def materialize(
                 cur.update(zip(node.keys, values))
                 return cur
             return node.type(zip(node.keys, values))
+        if node.atomic:
+            items = list(node.children)
+            if node.kind == "list" and type(current) is list:
+                current[:] = items
+                return current
+            return items if node.kind == "list" else _rebuild_tuple(node.type, items)
         same: Any = current if type(current) is node.type else None
         seq: Any = same if same is not None and len(same) == len(node.children) else None
         items = [
@@ -313,10 +326,7 @@ def materialize(
                 current[:] = items
                 return current
             return items
-        if node.type is tuple:
-            return tuple(items)
-        tp: Any = node.type
-        return tp._make(items) if _is_namedtuple_type(tp) else tp(items)
+        return _rebuild_tuple(node.type, items)
     return node
 
 
@@ -356,6 +366,12 @@ def copy_state(src: Any, dst: Any, which: Which = "sync") -> list[bool]:
             target.detach().copy_(tensor)
         apply_fields(dst, flat.skeleton, targets, in_place)
     return in_place
+
+
+def _rebuild_tuple(tp: Any, items: list[Any]) -> Any:
+    if tp is tuple:
+        return tuple(items)
+    return tp._make(items) if _is_namedtuple_type(tp) else tp(items)
 
 
 def _is_namedtuple_type(tp: type) -> bool:
