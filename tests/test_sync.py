@@ -239,13 +239,25 @@ def _errors(rank: int, world: int) -> dict[str, Any]:
         lock: Any = None
 
     attempt("pickle", L(step=rank, lock=threading.Lock()))
+    # a sparse tensor on the source: every rank gets the error naming the tensor and the fix
+    attempt("sparse", L(step=5 if rank == 1 else 0, lock=torch.eye(2).to_sparse() if rank == 1 else None))
+    # sync called on only some ranks: the caller times out with an error that says what to do
+    if rank == 0:
+        try:
+            elastic.sync(L(step=1), timeout=timedelta(seconds=2))
+        except elastic.SyncError as exc:
+            out["alone"] = (str(exc), exc.phase)
+    else:
+        import time
+
+        time.sleep(4)  # alive, but elsewhere in its program
     return out
 
 
 @pytest.mark.timeout(120)
 def test_errors_reach_every_rank_before_anything_moves() -> None:
     results = run_on_ranks(_errors, 2)
-    for key in ("schema", "nan", "types", "unordered", "raise_fn", "class", "pickle"):
+    for key in ("schema", "nan", "types", "unordered", "raise_fn", "class", "pickle", "sparse"):
         assert results[0][key] == results[1][key], f"{key}: every rank raises the same error"
     kind, msg = results[0]["schema"]
     assert kind == "StateMismatchError"
@@ -262,6 +274,11 @@ def test_errors_reach_every_rank_before_anything_moves() -> None:
     kind, msg = results[0]["class"]
     assert kind == "StateMismatchError" and "on rank 0" in msg and "Other on rank 1" in msg
     assert results[0]["after"] == results[1]["after"] == 1
+    kind, msg = results[0]["sparse"]
+    assert kind == "SyncError" and "tensor lock has layout torch.sparse_coo" in msg and "to_dense()" in msg
+    msg, phase = results[0]["alone"]
+    assert phase == "elect" and "timed out in phase 'elect' on rank 0 after 2s" in msg
+    assert "Every rank of the group must call sync()" in msg
     kind, msg = results[0]["pickle"]
     assert kind == "SyncError" and "field 'lock'" in msg and "_thread.lock" in msg and "rank 1" in msg
 
