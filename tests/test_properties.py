@@ -20,6 +20,9 @@ from dist_harness import run_on_ranks
 from test_tree import same, values
 
 
+SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+
+
 @elastic.elastic_state(tenure="step")
 @attrs.define
 class Box:
@@ -76,3 +79,49 @@ def test_strategy_covers_the_hard_cases() -> None:
 
     collect()
     assert {"torch.bfloat16", "torch.bool", "torch.int8", "torch.complex64", "0-d", "empty"} <= seen
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints: save then load returns the same values; any single flipped byte is detected.
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=SLOW_OK)
+@given(value=values, other=values)
+def test_random_states_survive_save_then_load(tmp_path_factory: Any, value: Any, other: Any) -> None:
+    from elastic._tree import kind_of
+
+    root = tmp_path_factory.mktemp("ckpt")
+    elastic.save(Box(step=1, value=value), root)
+    receiver = Box(step=0, value=other if kind_of(other) == kind_of(value) else None)
+    report = elastic.load(receiver, root)
+    assert report.source == "checkpoint" and report.tenure == 1
+    assert same(value, receiver.value)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: Any) -> tuple[Any, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("flip")
+    state = Box(step=7, value={"w": torch.randn(64, 64), "b": torch.arange(10), "note": "x", "xs": [1.5, 2]})
+    path = elastic.save(state, root)
+    files = {p.name: p.read_bytes() for p in path.iterdir()}
+    return path, files
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_single_flipped_byte_is_detected(
+    saved_checkpoint: tuple[Any, dict[str, bytes]], data: Any
+) -> None:
+    path, files = saved_checkpoint
+    name = data.draw(st.sampled_from(sorted(files)), label="file")
+    offset = data.draw(st.integers(0, len(files[name]) - 1), label="offset")
+    mask = data.draw(st.integers(1, 255), label="xor")
+    damaged = bytearray(files[name])
+    damaged[offset] ^= mask
+    (path / name).write_bytes(bytes(damaged))
+    try:
+        with pytest.warns(RuntimeWarning, match=name), pytest.raises(elastic.CheckpointCorruptError):
+            elastic.load(Box(), path)  # pointing at this one checkpoint: corruption is an error
+    finally:
+        (path / name).write_bytes(files[name])
+    assert elastic.load(Box(), path).tenure == 7  # restored: loads again
