@@ -19,7 +19,6 @@ import elastic
 from dist_harness import run_on_ranks
 from test_tree import same, values
 
-
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 
 
