@@ -42,7 +42,8 @@ def _nbytes(meta: TensorMeta) -> int:
 
 
 def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucket], bound: int) -> None:
-    """Every non-direct tensor's bytes exactly once, in stream order, in buckets of at most `bound`."""
+    """Every non-direct tensor's bytes exactly once, in stream order, in buckets of at most `bound`,
+    each tensor starting at a multiple of its element size."""
     stream = [(seg.tensor, seg.offset, seg.length) for b in buckets for seg in b.segments]
     expected_order = [i for i, m in enumerate(metas) if not direct[i] and _nbytes(m) > 0]
     seen: list[int] = []
@@ -59,13 +60,18 @@ def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucke
         assert at == _nbytes(metas[i])
     for k, bucket in enumerate(buckets):
         assert 0 < bucket.size <= bound
-        at = 0
+        end = 0
         for seg in bucket.segments:
-            assert seg.at == at
-            at += seg.length
-        assert at == bucket.size
+            itemsize = metas[seg.tensor].dtype.itemsize
+            assert seg.at >= end and seg.at - end < itemsize  # no overlap; padding only to align
+            if seg.offset == 0:
+                assert seg.at % itemsize == 0
+            else:
+                assert seg.at == 0  # a continued tensor opens its bucket
+            end = seg.at + seg.length
+        assert end == bucket.size
         if k < len(buckets) - 1:
-            assert bucket.size == bound  # only the last bucket may be partly filled
+            assert bound - bucket.size < 16  # closed early only when the next tensor's alignment did not fit
 
 
 @st.composite
@@ -106,6 +112,21 @@ def test_plan_buckets_large_tensor_spans_buckets_and_directs_are_skipped() -> No
     ]
     assert plan_buckets(metas, [True] * 5, 400) == []
     assert plan_buckets([], [], 400) == []
+
+
+def test_plan_buckets_aligns_each_tensor_to_its_element_size() -> None:
+    metas = [_meta(0, (3,), torch.int8), _meta(1, (2,), torch.float32), _meta(2, (1,), torch.complex128)]
+    lay = [
+        [(s.tensor, s.offset, s.length, s.at) for s in b.segments]
+        for b in plan_buckets(metas, [False] * 3, 100)
+    ]
+    assert lay == [[(0, 0, 3, 0), (1, 0, 8, 4), (2, 0, 16, 16)]]
+    buckets = plan_buckets(metas, [False] * 3, 16)  # the complex tensor's padding leaves no room: next bucket
+    assert [b.size for b in buckets] == [12, 16] and buckets[1].segments == ((2, 0, 16, 0),)
+    _check_plan(metas, [False] * 3, buckets, 16)
+    buckets = plan_buckets(metas, [False] * 3, 17)  # one byte of room after padding: split
+    assert [(s.tensor, s.offset, s.length, s.at) for s in buckets[0].segments][-1] == (2, 0, 1, 16)
+    _check_plan(metas, [False] * 3, buckets, 17)
 
 
 def test_plan_buckets_reads_the_module_bound_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,6 +234,14 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         torch.randn(4, generator=g, dtype=torch.complex64).conj(),  # 14: lazy conjugate at the source
         torch.randn(512, generator=g, dtype=torch.float16),  # 15: direct, exactly DIRECT_BYTES
         torch.randn(13, generator=g, dtype=torch.float16),  # 16: odd byte count
+        torch.randn(3, 4, generator=g),  # 17: non-contiguous target inside one bucket
+        torch.randn(5, generator=g, dtype=torch.complex128),  # 18: a parameter target (16-byte alignment)
+        torch.randn(2, 3, generator=g).t(),  # 19: non-contiguous source inside one bucket
+        # 19-23: one run of float32 tensors of different shapes, copied through views of the bucket
+        torch.randn(2, 3, generator=g),  # 20
+        torch.randn((), generator=g),  # 21: 0-d
+        torch.randn(4, generator=g),  # 22
+        torch.randn(3, 2, generator=g),  # 23: non-contiguous target inside the run
     ]
     if rank == 0:
         return src, src
@@ -220,6 +249,9 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     targets[10] = torch.zeros(8, 20).t()
     targets[12] = torch.zeros(40, 30).t()
     targets[13] = torch.zeros(40, 30).t()
+    targets[17] = torch.zeros(4, 3).t()
+    targets[18] = torch.nn.Parameter(torch.zeros(5, dtype=torch.complex128))
+    targets[23] = torch.zeros(2, 3).t()
     return src, targets
 
 
@@ -267,8 +299,9 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
             out[f"moved storage {depth}"] = [
                 i for i, (t, p) in enumerate(zip(targets, ptrs)) if t.data_ptr() != p
             ]
-            out[f"noncontiguous kept {depth}"] = (
-                not targets[10].is_contiguous() and not targets[12].is_contiguous()
+            out[f"noncontiguous kept {depth}"] = not any(targets[i].is_contiguous() for i in (10, 12, 13, 17, 23))
+            out[f"parameter kept {depth}"] = (
+                isinstance(targets[18], torch.nn.Parameter) and targets[18].requires_grad
             )
     out["cached"] = [b.data_ptr() for b in transport._buffers[cpu]]
     src, targets = _tensors(rank)
@@ -304,7 +337,7 @@ def test_transfer_on_two_ranks() -> None:
         assert source[f"source unchanged {depth}"] == []
         assert receiver[f"wrong values {depth}"] == []
         assert receiver[f"moved storage {depth}"] == []
-        assert receiver[f"noncontiguous kept {depth}"]
+        assert receiver[f"noncontiguous kept {depth}"] and receiver[f"parameter kept {depth}"]
     # the bucket buffers are reused from one transfer to the next (IN_FLIGHT 3: three of them)
     assert len(receiver["cached"]) == 3 and receiver["cached again"] == receiver["cached"]
     assert len(source["cached"]) == 3 and source["cached again"] == source["cached"]

@@ -77,8 +77,12 @@ def plan_buckets(
     metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None
 ) -> list[Bucket]:
     """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes` (default: the
-    module's `BUCKET_BYTES`, read at call time). A tensor larger than the room left in a bucket continues
-    in the next one; empty tensors have no segment."""
+    module's `BUCKET_BYTES`, read at call time).
+
+    Each tensor starts at a multiple of its element size (so a bucket's bytes can be viewed as the tensor's
+    dtype); a tensor larger than the room left continues at the start of the next bucket. Empty tensors
+    have no segment. A bucket's `size` is the end of its last segment.
+    """
     if bucket_bytes is None:
         bucket_bytes = BUCKET_BYTES
     if bucket_bytes < 1:
@@ -90,7 +94,15 @@ def plan_buckets(
     for i, meta in enumerate(metas):
         if direct[i]:
             continue
-        left, offset = _nbytes(meta), 0
+        itemsize = meta.dtype.itemsize
+        left, offset = math.prod(meta.shape) * itemsize, 0
+        if left == 0:
+            continue
+        pad = -fill % itemsize
+        if fill and fill + pad >= bucket_bytes:
+            buckets.append(Bucket(fill, tuple(segments)))
+            segments, fill, pad = [], 0, 0
+        fill += pad
         while left > 0:
             take = min(left, bucket_bytes - fill)
             segments.append(Segment(i, offset, take, fill))
@@ -192,11 +204,24 @@ def _quiet() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `like`, one after the other (one C++ call)."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, like))
+
+
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     """`byte_view` without the checks, for plain non-empty tensors under `torch.no_grad()` (hot loops)."""
     if tensor.dim() != 1:
         tensor = tensor.reshape(-1)
     return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
+def _whole(bucket: Bucket, k: int, buckets: list[Bucket]) -> tuple[bool, bool]:
+    """Whether the first and the last segment of bucket `k` hold whole tensors (only they can be split)."""
+    first_whole = bucket.segments[0].offset == 0
+    nxt = buckets[k + 1].segments[0] if k + 1 < len(buckets) else None
+    last_whole = nxt is None or nxt.offset == 0
+    return first_whole, last_whole
 
 
 def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -240,20 +265,41 @@ def send_tensors(
             current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
         return current[1]
 
-    def pack(buf: torch.Tensor, bucket: Bucket) -> None:
-        pieces = []
-        elsewhere = False
-        for seg in bucket.segments:
-            view = source_bytes(seg.tensor)
-            if seg.offset or seg.length != view.numel():
-                view = view[seg.offset : seg.offset + seg.length]
-            elsewhere = elsewhere or view.device != buf.device
-            pieces.append(view)
-        if elsewhere:
-            for seg, piece in zip(bucket.segments, pieces):
-                buf[seg.at : seg.at + seg.length].copy_(piece)
-        else:
-            torch.cat(pieces, out=buf)
+    def pack(buf: torch.Tensor, bucket: Bucket, k: int) -> None:
+        # Runs of whole tensors of one dtype go in two C++ calls: views of the bucket shaped like the
+        # tensors, then one copy per pair (any strides, conjugate views included). Split tensors and
+        # tensors on another device go byte by byte.
+        dests: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        run: list[torch.Tensor] = []
+        start = end = 0
+        dtype = torch.uint8
+
+        def flush() -> None:
+            if run:
+                dests.extend(_unflatten(buf[start:end].view(dtype), run))
+                srcs.extend(run)
+                run.clear()
+
+        first_whole, last_whole = _whole(bucket, k, buckets)
+        last = len(bucket.segments) - 1
+        for n, seg in enumerate(bucket.segments):
+            tensor = tensors[seg.tensor]
+            whole = (n > 0 or first_whole) and (n < last or last_whole)
+            if whole and tensor.device == buf.device:
+                if run and (tensor.dtype != dtype or seg.at != end):
+                    flush()
+                if not run:
+                    dtype, start = tensor.dtype, seg.at
+                run.append(tensor)
+                end = seg.at + seg.length
+                continue
+            flush()
+            buf[seg.at : seg.at + seg.length].copy_(
+                source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
+            )
+        flush()
+        _copy_all(dests, srcs)
 
     with _quiet():
         works: list[tuple[Any, str]] = []
@@ -277,7 +323,7 @@ def send_tensors(
                 if not failed:
                     try:
                         fault_point(phase, comm.rank)
-                        pack(buf, bucket)
+                        pack(buf, bucket, k)
                     except Exception as exc:
                         failed = True
                         on_error(exc)
@@ -372,27 +418,50 @@ def _receive_buckets(
     bufs = owned[: min(depth, len(buckets))]
     temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
 
-    def unpack(buf: torch.Tensor, bucket: Bucket) -> None:
+    def unpack(buf: torch.Tensor, bucket: Bucket, k: int) -> None:
+        # As `pack`, the other way round: whole tensors are copied from views of the bucket shaped like
+        # them (any target strides); split tensors byte by byte, through one temporary when the target's
+        # bytes are not its values in order.
         nonlocal temp
         dests: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        pieces = buf.split([seg.length for seg in bucket.segments]) if len(bucket.segments) > 1 else (buf,)
-        for seg, piece in zip(bucket.segments, pieces):
+        run: list[torch.Tensor] = []
+        start = end = 0
+        dtype = torch.uint8
+
+        def flush() -> None:
+            if run:
+                srcs.extend(_unflatten(buf[start:end].view(dtype), run))
+                dests.extend(run)
+                run.clear()
+
+        first_whole, last_whole = _whole(bucket, k, buckets)
+        last = len(bucket.segments) - 1
+        for n, seg in enumerate(bucket.segments):
             target = targets[seg.tensor]
-            if target.device == buf.device and _plain(target):
-                view = _raw(target)
-                dests.append(
-                    view if seg.length == view.numel() else view[seg.offset : seg.offset + seg.length]
-                )
+            whole = (n > 0 or first_whole) and (n < last or last_whole)
+            if whole and target.device == buf.device and target.dtype == metas[seg.tensor].dtype:
+                if run and (target.dtype != dtype or seg.at != end):
+                    flush()
+                if not run:
+                    dtype, start = target.dtype, seg.at
+                run.append(target)
+                end = seg.at + seg.length
+                continue
+            flush()
+            piece = buf[seg.at : seg.at + seg.length]
+            if not whole and target.device == buf.device and _plain(target):
+                dests.append(_raw(target)[seg.offset : seg.offset + seg.length])
                 srcs.append(piece)
                 continue
             if temp is None or temp[0] != seg.tensor:
-                tmp = torch.empty(target.shape, dtype=target.dtype, device=buf.device)
+                tmp = torch.empty(metas[seg.tensor].shape, dtype=metas[seg.tensor].dtype, device=buf.device)
                 temp = (seg.tensor, tmp, _raw(tmp))
             temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
             if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
                 target.copy_(temp[1])
                 temp = None
+        flush()
         _copy_all(dests, srcs)
 
     pending: deque[tuple[int, Any]] = deque()
@@ -406,7 +475,7 @@ def _receive_buckets(
         if not failed():
             try:
                 fault_point(phase, comm.rank)
-                unpack(buf[: buckets[k].size], buckets[k])
+                unpack(buf[: buckets[k].size], buckets[k], k)
             except Exception as exc:
                 temp = None
                 fail(exc)
