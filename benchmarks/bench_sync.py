@@ -192,13 +192,15 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     return {"name": name, "total": total, "count": count, "times": times, "mem": mem}
 
 
-def worker(rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int, methods: list[str]) -> None:
+def worker(
+    rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int, methods: list[str], load: float
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     try:
         results = [run_case(rank, *case, rounds, methods) for case in cases]
         if rank == 0:
-            report(results, rounds)
+            report(results, rounds, load)
     finally:
         dist.destroy_process_group()
 
@@ -207,9 +209,9 @@ def worker(rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int,
 # Report
 
 
-def report(results: list[dict], rounds: int) -> None:
+def report(results: list[dict], rounds: int, load_before: float) -> None:
     bucket = _transport.BUCKET_BYTES
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(
         f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}), BUCKET_BYTES "
         f"{bucket / MiB:g} MiB, IN_FLIGHT {_transport.IN_FLIGHT}, DIRECT_BYTES "
@@ -278,7 +280,8 @@ def main() -> None:
     unknown = set(methods) - set(LABELS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
-    mp.spawn(worker, args=(free_port(), cases, rounds, methods), nprocs=2, join=True)
+    load = os.getloadavg()[0]
+    mp.spawn(worker, args=(free_port(), cases, rounds, methods, load), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
