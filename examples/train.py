@@ -193,4 +193,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter teardown: with gloo, torch sometimes aborts there ("terminate called
+    # without an active exception") when one of gloo's threads drops the last reference to a tensor after
+    # Python began shutting down (pytorch/pytorch#190489), and torchrun would count a finished run failed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
