@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -98,8 +98,9 @@ def train_step(state: TrainState, rank: int, world_size: int) -> float:
     loss = torch.nn.functional.mse_loss(state.model(x), y)
     loss.backward()
     for p in state.model.parameters():  # data parallel: average the gradients
-        dist.all_reduce(p.grad)
-        p.grad /= world_size
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
     state.optimizer.step()
     state.scheduler.step()
     global_loss = loss.detach().clone()
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = f"[rank {rank}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout, force=True)
     ckpt = args.ckpt.format(rank=rank, node=os.environ.get("GROUP_RANK", "0"))
-    scope = "node" if node_local else "global"
+    scope: Literal["node", "global"] = "node" if node_local else "global"
 
     # Every worker starts from its own random initialisation: the election decides what they train.
     state = make_state(seed=1000 * attempt + rank, world_size=world_size)

@@ -142,11 +142,11 @@ def torchrun(
                 )
             )
         outputs = []
-        for proc in procs:
+        for proc, args in zip(procs, launches):
             try:
                 outputs.append(proc.communicate(timeout=RUN_TIMEOUT)[0])
             except subprocess.TimeoutExpired:
-                pytest.fail(f"torchrun {proc.args[3:]} did not finish within {RUN_TIMEOUT} s (a hang)")
+                pytest.fail(f"torchrun {' '.join(args)} did not finish within {RUN_TIMEOUT} s (a hang)")
     finally:
         for proc in procs:  # after a timeout or an interrupt: nothing is left running
             if proc.poll() is None:
