@@ -125,34 +125,36 @@ def torchrun(
     cwds: Sequence[Path], launches: Sequence[Sequence[str]], *, share_store: bool = True
 ) -> list[Run]:
     """Start one torchrun agent per entry of `launches` (agent options + script options) at once, wait for
-    all of them within RUN_TIMEOUT, and return their outputs; fail with every output on a non-zero exit."""
-    procs = []
+    all of them within RUN_TIMEOUT each, and return their outputs (also kept in `torchrun-<i>.log`); fail
+    with every output on a non-zero exit."""
+    procs, logs = [], []
     try:
-        for cwd, args in zip(cwds, launches, strict=True):
+        for i, (cwd, args) in enumerate(zip(cwds, launches, strict=True)):
             cwd.mkdir(parents=True, exist_ok=True)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", *args],
-                    cwd=cwd,
-                    env=launcher_env(cwd, share_store=share_store),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,  # its own process group: the agent and its workers
+            logs.append(cwd / f"torchrun-{i}.log")
+            with logs[-1].open("w") as log:  # a file, not a pipe: an agent never blocks on its output
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "torch.distributed.run", *args],
+                        cwd=cwd,
+                        env=launcher_env(cwd, share_store=share_store),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group: the agent and its workers
+                    )
                 )
-            )
-        outputs = []
-        for proc, args in zip(procs, launches):
+        for proc, args, log_path in zip(procs, launches, logs):
             try:
-                outputs.append(proc.communicate(timeout=RUN_TIMEOUT)[0])
+                proc.wait(timeout=RUN_TIMEOUT)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"torchrun {' '.join(args)} did not finish within {RUN_TIMEOUT} s (a hang)")
+                output = log_path.read_text()[-5000:]
+                pytest.fail(f"torchrun {' '.join(args)} did not finish within {RUN_TIMEOUT} s:\n{output}")
     finally:
         for proc in procs:  # after a timeout or an interrupt: nothing is left running
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    runs = [Run(cwd, output) for cwd, output in zip(cwds, outputs, strict=True)]
+    runs = [Run(cwd, log.read_text()) for cwd, log in zip(cwds, logs, strict=True)]
     if any(proc.returncode != 0 for proc in procs):
         codes = [proc.returncode for proc in procs]
         pytest.fail(f"torchrun exited with {codes}:\n" + "\n----\n".join(r.output for r in runs))
