@@ -13,9 +13,11 @@ same run and interleaved round by round (the order rotates), it times:
   limits them), to show how much of the difference is thread contention on a small machine.
 
 A round's time is the slower rank's, from a barrier to the end of the call. Each method is printed as the
-median of its per-round ratios to that round's floor. The receiver's peak extra memory is the rise of its
-high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS before the call; for sync the
-bucket buffers the transport keeps between calls are added, since they exist only for sync.
+median of its per-round ratios to that round's floor, with the CPU time both ranks spent (all threads: a
+figure that other load on the machine disturbs less than wall time). The receiver's peak extra memory is
+the rise of its high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS before the
+call; for sync the bucket buffers the transport keeps between calls are added, since they exist only for
+sync.
 
     python benchmarks/bench_sync.py            # 128 MiB states, 7 rounds
     python benchmarks/bench_sync.py --quick    # 16 MiB states, 3 rounds (smoke run)
@@ -143,22 +145,28 @@ LABELS = {
 }
 
 
-def time_one(fn: Callable[[], None], is_sync: bool) -> tuple[float, float, float]:
-    """(seconds of the slower rank, receiver's rise of its high-water mark, bucket buffers it keeps)."""
+def time_one(fn: Callable[[], None], is_sync: bool) -> tuple[float, float, float, float]:
+    """(seconds of the slower rank, CPU seconds of both ranks (all threads), receiver's rise of its
+    high-water mark, bucket buffers it keeps)."""
     gc.collect()
     trim_heap()
     reset_high_water()
     rss = _status_kib("VmRSS")
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     rise = (_status_kib("VmHWM") - rss) * 1024.0
     kept = float(_transport.cached_bytes()) if is_sync else 0.0
-    mine = torch.tensor([seconds, rise, kept], dtype=torch.float64)
+    mine = torch.tensor([seconds, cpu, rise, kept], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
-    return max(float(r[0]) for r in rows), float(rows[1][1]), float(rows[1][2])
+    return (
+        max(float(r[0]) for r in rows),
+        sum(float(r[1]) for r in rows),
+        float(rows[1][2]),
+        float(rows[1][3]),
+    )
 
 
 def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_wanted: list[str]) -> dict:
@@ -173,13 +181,15 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     methods = {k: v for k, v in make_methods(state, flat, rank).items() if k in methods_wanted}
     order = list(methods)
     times: dict[str, list[float]] = {k: [] for k in order}
+    cpus: dict[str, list[float]] = {k: [] for k in order}
     mem: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
     for r in range(rounds + 1):  # round 0 warms up (connections, bucket buffers, allocator)
         turn = order[r % len(order) :] + order[: r % len(order)]
         for key in turn:
-            seconds, rise, kept = time_one(methods[key], key == "sync")
+            seconds, cpu, rise, kept = time_one(methods[key], key == "sync")
             if r > 0:
                 times[key].append(seconds)
+                cpus[key].append(cpu)
                 mem[key].append((rise, kept))
     # The sync wrote the source's values in place on the receiver.
     if rank == 1:
@@ -189,7 +199,7 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
         ):
             msg = "receiver's tensors are not the source's values written in place"
             raise RuntimeError(msg)
-    return {"name": name, "total": total, "count": count, "times": times, "mem": mem}
+    return {"name": name, "total": total, "count": count, "times": times, "cpus": cpus, "mem": mem}
 
 
 def worker(
@@ -217,8 +227,8 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
         f"{bucket / MiB:g} MiB, IN_FLIGHT {_transport.IN_FLIGHT}, DIRECT_BYTES "
         f"{_transport.DIRECT_BYTES / MiB:g} MiB; medians of {rounds} interleaved rounds\n"
     )
-    print("| state | method | median ms | x floor | receiver peak extra MiB |")
-    print("|---|---|---:|---:|---:|")
+    print("| state | method | median ms | x floor | CPU ms, both ranks | receiver peak extra MiB |")
+    print("|---|---|---:|---:|---:|---:|")
     verdicts = []
     for res in results:
         times = res["times"]
@@ -232,9 +242,9 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             mem = f"{rise + kept:.1f}"
             if key == "sync":
                 mem += f" ({kept * MiB / bucket:g} buckets + {rise:.1f})"
-            print(
-                f"| {state} | {LABELS[key]} | {statistics.median(ts) * 1e3:.1f} | {ratios[key]:.2f} | {mem} |"
-            )
+            cpu = statistics.median(res["cpus"][key]) * 1e3
+            ms = statistics.median(ts) * 1e3
+            print(f"| {state} | {LABELS[key]} | {ms:.1f} | {ratios[key]:.2f} | {cpu:.0f} | {mem} |")
         if "sync" in ratios:
             peak = max(r + k for r, k in res["mem"]["sync"]) / bucket
             line = f"{state}: sync {ratios['sync']:.2f}x floor"
