@@ -3,14 +3,19 @@
 Both sides derive the same plan from the source's metadata. Tensors the source marks `direct` (plain
 contiguous tensors on the communication device of at least `DIRECT_BYTES`) are broadcast as they are: the
 receiver's own tensor is the destination when it has the same shape, dtype and device, so nothing is
-copied or pickled. All other tensors form one byte stream cut into buckets of at most `BUCKET_BYTES`.
-`IN_FLIGHT` buckets travel at once: while they do, the source packs the next one and the receiver unpacks
-the oldest, so the receiver never holds more than `IN_FLIGHT * BUCKET_BYTES` of extra memory (plus one
-temporary for a tensor it cannot take in place, e.g. a non-contiguous one). The bucket buffers are kept
-between calls: fresh buffers would cost page faults on every sync.
+copied or pickled. All other tensors form one byte stream cut into buckets of at most `BUCKET_BYTES`, each
+tensor aligned to its element size. `IN_FLIGHT` buckets travel at once: while they do, the source packs
+the next one and the receiver unpacks the oldest, so the receiver never holds more than
+`IN_FLIGHT * BUCKET_BYTES` of extra memory, plus one temporary at a time for a tensor whose bytes cannot
+be written where they are (a non-contiguous direct tensor or one split across buckets, or a tensor on
+another device). The bucket buffers are kept between calls: fresh buffers would cost page faults on every
+sync.
 
-Packing and unpacking run with torch's intra-op pool limited to one thread: on a small machine its
-threads would otherwise fight the backend's communication threads for the cores.
+A run of whole tensors of one dtype in a bucket is packed (and unpacked) with two C++ calls: views of the
+bucket shaped like the tensors, then one copy per pair, which also handles non-contiguous tensors and
+lazy conjugates. Packing and unpacking run with torch's intra-op pool limited to one thread: on a small
+machine its OpenMP workers otherwise spin next to the backend's communication threads (measured on 2
+cores with gloo: 40 times slower).
 """
 
 from __future__ import annotations
