@@ -29,8 +29,7 @@ from elastic import WorkerError
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="process checks read /proc")
 
 
-def _children() -> list[int]:
-    """Pids of this process's children, zombies included (a zombie is a child nobody reaped)."""
+def _all_children() -> list[int]:
     me = str(os.getpid())
     out = []
     for entry in Path("/proc").iterdir():
@@ -42,6 +41,22 @@ def _children() -> list[int]:
             if stat.rsplit(")", 1)[-1].split()[1] == me:
                 out.append(int(entry.name))
     return out
+
+
+_before: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before_the_test() -> None:
+    """Children this process already had (e.g. multiprocessing's resource tracker from other tests)."""
+    _before.clear()
+    _before.update(_all_children())
+
+
+def _children() -> list[int]:
+    """Pids of this process's children started during the test, zombies included (a zombie is a child
+    nobody reaped)."""
+    return [p for p in _all_children() if p not in _before]
 
 
 def _is_worker(pid: int) -> bool:
