@@ -197,7 +197,8 @@ if __name__ == "__main__":
     code = main()
     # Leave without interpreter teardown: with gloo, torch sometimes aborts there ("terminate called
     # without an active exception") when one of gloo's threads drops the last reference to a tensor after
-    # Python began shutting down (pytorch/pytorch#190489), and torchrun would count a finished run failed.
+    # Python began shutting down (described in the abandoned fix pytorch/pytorch#179291), and torchrun would
+    # count a finished run as failed.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
