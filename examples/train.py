@@ -9,10 +9,11 @@ start `elastic.load` gives every worker the most tenured state in the group (mem
         examples/train.py --steps 60 --save-every 20 --fail-at 25
 
 `--fail-at STEP` makes one worker die at that step on the first attempt (torchrun restarts the group,
-which resumes from the last checkpoint). `--ckpt` may contain `{node}` (torchrun's GROUP_RANK) or `{rank}`
-for node-local disks: checkpoints are then written with `scope="node"`, by the most tenured worker of
-every node into that node's directory (so `{rank}` suits one worker per node). `--fail-wipe` makes the
-dying worker delete its node's directory first: the machine that replaces it starts with an empty disk.
+which resumes from the last checkpoint). `--ckpt` may contain `{node}` (torchrun's GROUP_RANK) for
+node-local disks: checkpoints are then written with `scope="node"`, by the most tenured worker of every
+node into that node's directory; or `{rank}`: `scope="rank"`, every worker writes its own directory.
+`--fail-wipe` makes the dying worker delete its own directory first: the machine that replaces it starts
+with an empty disk.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def fingerprint(model: torch.nn.Module) -> str:
     """A short digest of the weights, to show in the log which state a worker holds."""
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
-        digest.update(tensor.detach().numpy().tobytes())
+        digest.update(bytes(tensor.detach().contiguous().reshape(-1).view(torch.uint8).tolist()))
     return digest.hexdigest()[:8]
 
 
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     fmt = f"[rank {rank}] %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout, force=True)
     ckpt = args.ckpt.format(rank=rank, node=os.environ.get("GROUP_RANK", "0"))
-    scope: Literal["node", "global"] = "node" if node_local else "global"
+    scope: Literal["rank", "node", "global"] = (
+        "rank" if "{rank}" in args.ckpt else "node" if "{node}" in args.ckpt else "global"
+    )
 
     # Every worker starts from its own random initialisation: the election decides what they train.
     state = make_state(seed=1000 * attempt + rank, world_size=world_size)

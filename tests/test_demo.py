@@ -172,7 +172,8 @@ def assert_identical(got: Any, want: Any, where: str) -> None:
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__} instead of a tensor"
         assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: dtype or shape differs"
-        assert got.numpy().tobytes() == want.numpy().tobytes(), f"{where}: values differ"
+        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want)]
+        assert torch.equal(*as_bytes), f"{where}: values differ"
     elif isinstance(want, dict):
         assert isinstance(got, dict), f"{where}: {type(got).__name__} instead of a dict"
         assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
@@ -291,6 +292,25 @@ def test_two_agents_with_node_local_dirs_survive_a_replaced_machine(reference: R
     assert sorted(p.name for p in (tmp_path / node_dir[0]).iterdir()) == sorted(
         Path(path).name for _, path in saved[0]
     )
+    assert_matches_reference(run, reference)
+
+
+@pytest.mark.timeout(300)
+def test_per_worker_dirs_survive_a_deleted_directory(reference: Run, tmp_path: Path) -> None:
+    """One agent, two workers, each with its own directory `ckpt/{rank}` (scope="rank"). Worker 1
+    deletes its directory and dies at step 10: the group resumes from worker 0's checkpoint of step 8, the
+    most tenured that remains, and ends bit-identical to the reference run."""
+    args = ["--ckpt", "ckpt/{rank}", "--fail-at", "10", "--fail-rank", "1", "--fail-wipe"]
+    run = standalone(tmp_path, 2, *args)
+    saved = run.checkpoints()
+    for rank in (0, 1):
+        assert [step for step, _ in saved[rank]] == [4, 8, 12], run.output
+        assert {Path(path).parent for _, path in saved[rank]} == {Path(f"ckpt/{rank}")}
+    assert "[rank 1] injected failure: deleted ckpt/1" in run.lines()
+    for rank in (0, 1):
+        _, after = run.elections(rank)
+        assert (after.src, after.path, after.tenure, after.step) == (0, saved[0][1][1], "8", 8), run.output
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "1").iterdir()) == [Path(saved[1][2][1]).name]
     assert_matches_reference(run, reference)
 
 

@@ -69,7 +69,7 @@ __all__ = [
 
 log = logging.getLogger("elastic")
 
-Scope = Literal["global", "node"]
+Scope = Literal["global", "node", "rank"]
 
 
 @attrs.frozen
@@ -315,7 +315,8 @@ def save(
 ) -> Path | SaveHandle:
     """Write a checkpoint of the most tenured state under the root `path` (collective).
 
-    The most tenured rank (lowest in ties) writes; with ``scope="node"`` the most tenured rank of every
+    The most tenured rank (lowest in ties) writes; with ``scope="rank"`` every rank writes its own copy to
+    its own `path` (one disk per worker); with ``scope="node"`` the most tenured rank of every
     node writes to its own `path` (node-local disks; a node is torchrun's ``GROUP_RANK``, else the host),
     after a sync if some node lags behind. The checkpoint is written into a temporary directory inside
     `path`, fsynced and renamed into place, so no reader ever sees it half-written; then only the `keep`
@@ -333,8 +334,8 @@ def save(
         msg = f"save(keep=...) must be a positive int (or None to keep every checkpoint), got {keep!r}"
         raise ValueError(msg) from None
     _check_bool(blocking, "blocking", "save")
-    if scope not in ("global", "node"):
-        msg = f"save(scope=...) must be 'global' or 'node', got {scope!r}"
+    if scope not in ("global", "node", "rank"):
+        msg = f"save(scope=...) must be 'global', 'node' or 'rank', got {scope!r}"
         raise ValueError(msg) from None
     deadline = as_timedelta(timeout, "save")
     _settle_inflight()
@@ -360,7 +361,7 @@ def save(
     if scope == "global":
         mine, writers = best, {best}
     else:
-        nodes = [rec.node for rec in records]
+        nodes = [rec.node for rec in records] if scope == "node" else [str(r) for r in range(g.world)]
         members: dict[str, list[int]] = {}
         for rank, node in enumerate(nodes):
             members.setdefault(node, []).append(rank)
