@@ -13,11 +13,12 @@ same run and interleaved round by round (the order rotates), it times:
   limits them), to show how much of the difference is thread contention on a small machine.
 
 A round's time is the slower rank's, from a barrier to the end of the call. Each method is printed as the
-median of its per-round ratios to that round's floor, with the CPU time both ranks spent (all threads: a
-figure that other load on the machine disturbs less than wall time). The receiver's peak extra memory is
-the rise of its high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS before the
-call; for sync the bucket buffers the transport keeps between calls are added, since they exist only for
-sync.
+ratio of its median to the floor's median (the floor alone flips between about 30 and 45 ms from one
+round to the next here, so per-round ratios would be noisier), with the CPU time both ranks spent (all
+threads: a figure that other load on the machine disturbs less than wall time). The receiver's peak
+extra memory is the rise of its high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS
+before the call; for sync the bucket buffers the transport keeps between calls are added, since they
+exist only for sync.
 
     python benchmarks/bench_sync.py            # 128 MiB states, 7 rounds
     python benchmarks/bench_sync.py --quick    # 16 MiB states, 3 rounds (smoke run)
@@ -236,7 +237,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
         state = f"{res['total'] / MiB:g} MiB in {res['count']:,} tensors"
         ratios = {}
         for key, ts in times.items():
-            ratios[key] = statistics.median(t / f for t, f in zip(ts, floor))
+            ratios[key] = statistics.median(ts) / statistics.median(floor)
             rise = statistics.median(r for r, _ in res["mem"][key]) / MiB
             kept = max(k for _, k in res["mem"][key]) / MiB
             mem = f"{rise + kept:.1f}"
@@ -249,7 +250,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             peak = max(r + k for r, k in res["mem"]["sync"]) / bucket
             line = f"{state}: sync {ratios['sync']:.2f}x floor"
             if "coalesced" in ratios:
-                vs = statistics.median(s / c for s, c in zip(times["sync"], times["coalesced"]))
+                vs = statistics.median(times["sync"]) / statistics.median(times["coalesced"])
                 line += f", {vs:.2f}x _broadcast_coalesced"
             line += f", receiver peak extra memory (worst round) {peak:.2f} buckets"
             verdicts.append(line)
