@@ -58,6 +58,7 @@ def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucke
             assert offset == at and length > 0
             at += length
         assert at == _nbytes(metas[i])
+    remaining = sum(_nbytes(metas[i]) for i in expected_order)
     for k, bucket in enumerate(buckets):
         assert 0 < bucket.size <= bound
         end = 0
@@ -70,8 +71,12 @@ def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucke
                 assert seg.at == 0  # a continued tensor opens its bucket
             end = seg.at + seg.length
         assert end == bucket.size
+        cap = transport._cap(k, remaining, bound)
+        assert bucket.size <= cap
         if k < len(buckets) - 1:
-            assert bound - bucket.size < 16  # closed early only when the next tensor's alignment did not fit
+            assert cap - bucket.size < 16  # closed early only when the next tensor's alignment did not fit
+        remaining -= sum(seg.length for seg in bucket.segments)
+    assert remaining == 0
 
 
 @st.composite
@@ -82,7 +87,7 @@ def _plans(draw: Any) -> tuple[list[TensorMeta], list[bool], int]:
         for i in range(n)
     ]
     direct = [draw(st.booleans()) for _ in range(n)]
-    return metas, direct, draw(st.integers(1, 300))
+    return metas, direct, draw(st.integers(1, 300) | st.integers(4096, 40000))
 
 
 @settings(max_examples=200, deadline=None)
@@ -127,6 +132,16 @@ def test_plan_buckets_aligns_each_tensor_to_its_element_size() -> None:
     buckets = plan_buckets(metas, [False] * 3, 17)  # one byte of room after padding: split
     assert [(s.tensor, s.offset, s.length, s.at) for s in buckets[0].segments][-1] == (2, 0, 1, 16)
     _check_plan(metas, [False] * 3, buckets, 17)
+
+
+def test_plan_buckets_ramps_the_first_and_last_buckets() -> None:
+    mib = 2**20
+    metas = [_meta(i, (mib // 8,), torch.float32) for i in range(320)]  # 160 MiB in 512 KiB tensors
+    sizes = [b.size / mib for b in plan_buckets(metas, [False] * 320, 16 * mib)]
+    assert sizes == [2, 4, 8] + [16] * 8 + [9, 4.5, 2.25, 2.25]
+    _check_plan(metas, [False] * 320, plan_buckets(metas, [False] * 320, 16 * mib), 16 * mib)
+    # small transfers too: 3 MiB goes in 2 + 1 MiB, so that the first bucket travels while the next is packed
+    assert [b.size / mib for b in plan_buckets(metas[:6], [False] * 6, 16 * mib)] == [2, 1]
 
 
 def test_plan_buckets_reads_the_module_bound_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +295,7 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
 
     for depth in (1, 2, 3):
         transport.IN_FLIGHT = depth
+        transport._RAMP_MIN = 1 if depth == 2 else 4096  # depth 2: first and last buckets ramp (32 bytes up)
         src, targets = _tensors(rank)
         before = [t.clone() for t in src]
         ptrs = [t.data_ptr() for t in targets]
@@ -299,10 +315,13 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
             out[f"moved storage {depth}"] = [
                 i for i, (t, p) in enumerate(zip(targets, ptrs)) if t.data_ptr() != p
             ]
-            out[f"noncontiguous kept {depth}"] = not any(targets[i].is_contiguous() for i in (10, 12, 13, 17, 23))
+            out[f"noncontiguous kept {depth}"] = not any(
+                targets[i].is_contiguous() for i in (10, 12, 13, 17, 23)
+            )
             out[f"parameter kept {depth}"] = (
                 isinstance(targets[18], torch.nn.Parameter) and targets[18].requires_grad
             )
+    transport._RAMP_MIN = 4096
     out["cached"] = [b.data_ptr() for b in transport._buffers[cpu]]
     src, targets = _tensors(rank)
     run("again", src, targets)
@@ -318,6 +337,7 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
             del os.environ["ELASTIC_FAULT"]
         if rank == 1:
             out[f"fault {spec} bucket 0 written"] = torch.equal(targets[1], src[1])
+            out[f"fault {spec} last not written"] = not targets[22].any().item()
     # ...and afterwards the same ranks transfer correctly again.
     src, targets = _tensors(rank)
     out["after faults"] = run("after", src, targets)
@@ -344,7 +364,7 @@ def test_transfer_on_two_ranks() -> None:
     # a receiver failing at bucket 1: it reports, keeps receiving, the source notices nothing
     assert source["fault 1:bucket 1"] == []
     assert len(receiver["fault 1:bucket 1"]) == 1 and "rank 1 at bucket 1" in receiver["fault 1:bucket 1"][0]
-    assert receiver["fault 1:bucket 1 bucket 0 written"]
+    assert receiver["fault 1:bucket 1 bucket 0 written"] and receiver["fault 1:bucket 1 last not written"]
     # the source failing while packing bucket 2: it reports, still sends every bucket
     assert len(source["fault 0:bucket 2"]) == 1 and "rank 0 at bucket 2" in source["fault 0:bucket 2"][0]
     assert receiver["fault 0:bucket 2"] == []

@@ -58,6 +58,8 @@ DIRECT_BYTES = 2 * 2**20
 #: Buckets travelling at once, each in its own reused buffer: a receiver's extra memory during a transfer
 #: is at most ``IN_FLIGHT * BUCKET_BYTES`` (plus one temporary for a tensor it cannot take in place).
 IN_FLIGHT = 2
+#: The smallest first and last bucket (below this the ramp is not worth an extra collective).
+_RAMP_MIN = 4096
 
 
 class Segment(NamedTuple):
@@ -80,6 +82,19 @@ def _nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * meta.dtype.itemsize
 
 
+def _cap(k: int, remaining: int, bound: int) -> int:
+    """How many bytes bucket `k` may hold when `remaining` bytes are left to send.
+
+    The first buckets ramp up from ``bound / 8`` (at least `_RAMP_MIN`) and the last ones down to it, so
+    that packing the first bucket and unpacking the last, which no communication overlaps, stay short.
+    """
+    low = max(bound // 8, min(bound, _RAMP_MIN))
+    tail = max(low, (remaining + 1) // 2)
+    if remaining - tail < low // 2:  # what is left goes in this bucket: no crumb of a last one
+        tail = bound
+    return max(1, min(bound, low << min(k, 3), tail))
+
+
 def plan_buckets(
     metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None
 ) -> list[Bucket]:
@@ -88,37 +103,46 @@ def plan_buckets(
 
     Each tensor starts at a multiple of its element size (so a bucket's bytes can be viewed as the tensor's
     dtype); a tensor larger than the room left continues at the start of the next bucket. Empty tensors
-    have no segment. A bucket's `size` is the end of its last segment.
+    have no segment. A bucket's `size` is the end of its last segment. The first and last buckets are
+    smaller (see `_cap`).
     """
     if bucket_bytes is None:
         bucket_bytes = BUCKET_BYTES
     if bucket_bytes < 1:
         msg = f"bucket_bytes must be at least 1, got {bucket_bytes}"
         raise ValueError(msg) from None
+    sizes = [0 if direct[i] else math.prod(m.shape) * m.dtype.itemsize for i, m in enumerate(metas)]
+    remaining = sum(sizes)
     buckets: list[Bucket] = []
     segments: list[Segment] = []
     fill = 0
+    cap = _cap(0, remaining, bucket_bytes)
+
+    def close() -> None:
+        nonlocal segments, fill, cap
+        buckets.append(Bucket(fill, tuple(segments)))
+        segments, fill = [], 0
+        cap = _cap(len(buckets), remaining, bucket_bytes)
+
     for i, meta in enumerate(metas):
-        if direct[i]:
-            continue
-        itemsize = meta.dtype.itemsize
-        left, offset = math.prod(meta.shape) * itemsize, 0
+        left, offset = sizes[i], 0
         if left == 0:
             continue
+        itemsize = meta.dtype.itemsize
         pad = -fill % itemsize
-        if fill and fill + pad >= bucket_bytes:
-            buckets.append(Bucket(fill, tuple(segments)))
-            segments, fill, pad = [], 0, 0
+        if fill and fill + pad >= cap:
+            close()
+            pad = 0
         fill += pad
         while left > 0:
-            take = min(left, bucket_bytes - fill)
+            take = min(left, cap - fill)
             segments.append(Segment(i, offset, take, fill))
             fill += take
             offset += take
             left -= take
-            if fill == bucket_bytes:
-                buckets.append(Bucket(fill, tuple(segments)))
-                segments, fill = [], 0
+            remaining -= take
+            if fill == cap:
+                close()
     if segments:
         buckets.append(Bucket(fill, tuple(segments)))
     return buckets
