@@ -15,7 +15,7 @@ A run of whole tensors of one dtype in a bucket is packed (and unpacked) with tw
 bucket shaped like the tensors, then one copy per pair, which also handles non-contiguous tensors and
 lazy conjugates. Packing and unpacking run with torch's intra-op pool limited to one thread: on a small
 machine its OpenMP workers otherwise spin next to the backend's communication threads (measured on 2
-cores with gloo: 40 times slower).
+cores with gloo, 2,000 tensors: twice as slow; 17 to 40 times with one copy call per tensor).
 """
 
 from __future__ import annotations
