@@ -191,7 +191,7 @@ def _resign(directory: Path) -> None:
     for name, rec in manifest["files"].items():
         rec["size"], rec["crc32_tree"] = hash_file(directory / name, rec["chunk"])
     manifest["digest"] = M._digest_of(manifest)
-    mpath.write_text(json.dumps(manifest))
+    mpath.write_bytes(M.manifest_bytes(manifest))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -504,7 +504,7 @@ def test_manifest_validation(tmp_path: Path, edit: Any, message: str | None) -> 
     edit(manifest)
     if message is not None:
         manifest["digest"] = M._digest_of(manifest)
-    mpath.write_text(json.dumps(manifest))
+    mpath.write_bytes(M.manifest_bytes(manifest))
     with pytest.raises(M.InvalidCheckpoint, match=message or "its own digest"):
         M.validate(path)
     with pytest.warns(RuntimeWarning, match="skipping checkpoint"):

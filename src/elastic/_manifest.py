@@ -239,6 +239,8 @@ def validate(directory: Path) -> Candidate:
         )
     if manifest.get("digest") != _digest_of(manifest):
         raise _bad(mpath, "does not match its own digest: the manifest is damaged")
+    if raw != manifest_bytes(manifest):  # whitespace or key order changed: not the bytes that were written
+        raise _bad(mpath, "is not byte for byte the manifest that was written: the manifest is damaged")
     try:
         tenure = tenure_from_json(manifest.get("tenure"))
     except ValueError as exc:
