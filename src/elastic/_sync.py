@@ -28,6 +28,7 @@ from ._tree import (
     flatten,
     receive_targets,
     schema_of,
+    tensor_index,
 )
 
 __all__ = [
@@ -277,6 +278,27 @@ class Payload:
     tenure: Any
     error: str | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Metadata as columns of plain values: pickles ~20x faster than one object per tensor.
+        m = self.metas
+        columns = (
+            tuple(x.path for x in m),
+            tuple(x.shape for x in m),
+            tuple(x.dtype for x in m),
+            tuple(x.device_type for x in m),
+        )
+        return (
+            _payload,
+            (self.skeleton, columns, self.direct, self.token, self.torn, self.tenure, self.error),
+        )
+
+
+def _payload(
+    skeleton: Any, columns: Any, direct: Any, token: Any, torn: Any, tenure: Any, error: Any
+) -> Payload:
+    metas = [TensorMeta(*row) for row in zip(*columns)] if columns[0] else []
+    return Payload(skeleton, metas, direct, token, torn, tenure, error)
+
 
 def _unpicklable_fields(skeleton: StateNode) -> str:
     bad = []
@@ -390,6 +412,7 @@ def _transfer(
     # Objects: the skeleton, tensor metadata and the new lineage, in one cloudpickle payload.
     flat: Flat | None = None
     data: bytes | None = None
+    built: Payload | None = None
     if rank == src:
         try:
             fault_point("flatten", rank)
@@ -400,6 +423,7 @@ def _transfer(
             payload = Payload(flat.skeleton, flat.metas, direct, token, line.torn, records[src].tenure)
             try:
                 data = cloudpickle.dumps(payload)
+                built = payload
             except Exception:
                 msg = (
                     f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
@@ -409,8 +433,15 @@ def _transfer(
         except Exception as exc:
             msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
             data = cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
+    index: dict[Any, torch.Tensor] | None = None
+    index_error: BaseException | None = None
+    if rank != src:  # walk our own tree while the source flattens and pickles
+        try:
+            index = tensor_index(state, "sync")
+        except Exception as exc:
+            index_error = exc
     raw = comm.broadcast_bytes(data, src, "objects")
-    payload = cloudpickle.loads(raw)
+    payload = built if built is not None else cloudpickle.loads(raw)
     if payload.error is not None:
         raise SyncError(f"{op} failed in phase 'objects': {payload.error}", phase="objects") from None
     tensor_bytes = sum(m.nbytes for m in payload.metas)
@@ -421,7 +452,11 @@ def _transfer(
         send_tensors(comm, src, flat.tensors, payload.direct, payload.metas, on_error)
     else:
         try:
-            targets, in_place = receive_targets(state, payload.metas, "sync", lambda m: _device_for(m, comm))
+            if index_error is not None:
+                raise index_error
+            targets, in_place = receive_targets(
+                state, payload.metas, "sync", lambda m: _device_for(m, comm), index=index
+            )
         except Exception as exc:
             on_error(exc)
             targets = [

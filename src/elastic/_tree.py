@@ -53,6 +53,9 @@ class TensorSlot:
 
     index: int
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles ~2x faster than attrs' slotted __getstate__
+        return (TensorSlot, (self.index,))
+
 
 @attrs.frozen
 class StatefulNode:
@@ -91,6 +94,9 @@ class TensorMeta:
     dtype: torch.dtype
     device_type: str
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TensorMeta, (self.path, self.shape, self.dtype, self.device_type))
+
     @property
     def nbytes(self) -> int:
         n = 1
@@ -100,7 +106,7 @@ class TensorMeta:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @attrs.define
@@ -158,8 +164,10 @@ def _fields_of(state: Any, which: Which) -> list[str]:
 
 def check_tensor(tensor: torch.Tensor, path: Path) -> None:
     """Reject tensors that cannot be transferred, with the fix."""
+    if not (tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized):
+        return  # the common case, without building the path's text
     where = path_str(path)
-    if tensor.is_meta or tensor.device.type == "meta":
+    if tensor.is_meta:
         msg = (
             f"tensor {where} is on the meta device and holds no data to sync or save; "
             "materialise it first (module.to_empty(device=...) then initialise it)"
@@ -331,12 +339,17 @@ def materialize(
 
 
 def receive_targets(
-    state: Any, metas: list[TensorMeta], which: Which, device_for: Callable[[TensorMeta], torch.device]
+    state: Any,
+    metas: list[TensorMeta],
+    which: Which,
+    device_for: Callable[[TensorMeta], torch.device],
+    index: dict[Path, torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Where each incoming tensor goes: the receiver's own tensor at the same path when it has the same
     shape, dtype and device type (written in place), otherwise a new tensor allocated from the metadata on
     `device_for(meta)`. Returns the targets and which of them are in place."""
-    index = tensor_index(state, which)
+    if index is None:
+        index = tensor_index(state, which)
     targets: list[torch.Tensor] = []
     in_place: list[bool] = []
     for meta in metas:
