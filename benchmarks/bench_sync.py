@@ -107,6 +107,15 @@ def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, 
             msg = f"unexpected sync report {report}"
             raise RuntimeError(msg)
 
+    def verify() -> None:  # digests every byte of the state, one small all-gather
+        elastic.verify(state)
+
+    def fast_sync() -> None:  # nothing to move: replicas already identical (one small all-gather)
+        report = elastic.sync(state)
+        if report.tensor_bytes != 0:
+            msg = f"expected the fast path, got {report}"
+            raise RuntimeError(msg)
+
     def per_tensor() -> None:
         for t in state.tensors:
             dist.broadcast(t, 0)
@@ -129,6 +138,8 @@ def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, 
     return {
         "floor": floor,
         "sync": sync,
+        "fast_sync": fast_sync,
+        "verify": verify,
         "per_tensor": per_tensor,
         "object_list": object_list,
         "coalesced": coalesced,
@@ -139,6 +150,8 @@ def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, 
 LABELS = {
     "floor": "one `broadcast` of a flat buffer (floor)",
     "sync": "`elastic.sync(state, force=True)`",
+    "fast_sync": "`elastic.sync(state)` with nothing to move (fast path)",
+    "verify": "`elastic.verify(state)` (digest of every byte)",
     "per_tensor": "one `broadcast` per tensor",
     "object_list": "`broadcast_object_list` of the tensors",
     "coalesced": "`_broadcast_coalesced` (DDP, 250 MiB buckets)",
@@ -184,6 +197,7 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     times: dict[str, list[float]] = {k: [] for k in order}
     cpus: dict[str, list[float]] = {k: [] for k in order}
     mem: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
+    elastic.sync(state, force=True)  # one lineage for the fast-path and verify rows
     for r in range(rounds + 1):  # round 0 warms up (connections, bucket buffers, allocator)
         turn = order[r % len(order) :] + order[: r % len(order)]
         for key in turn:
@@ -253,6 +267,10 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
                 vs = statistics.median(times["sync"]) / statistics.median(times["coalesced"])
                 line += f", {vs:.2f}x _broadcast_coalesced"
             line += f", receiver peak extra memory (worst round) {peak:.2f} buckets"
+            if "verify" in ratios:
+                line += f"; verify costs {ratios['verify'] / ratios['sync']:.2f}x one sync"
+            if "fast_sync" in ratios:
+                line += f", a sync with nothing to move {ratios['fast_sync'] / ratios['sync']:.3f}x"
             verdicts.append(line)
     print()
     for line in verdicts:
@@ -274,7 +292,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
     parser.add_argument(
         "--methods",
-        default="floor,sync,per_tensor,object_list,coalesced,coalesced_1t",
+        default="floor,sync,fast_sync,verify,per_tensor,object_list,coalesced,coalesced_1t",
         help="comma-separated subset of the methods (floor is always kept): " + ",".join(LABELS),
     )
     parser.add_argument("--case", choices=["many", "few", "both"], default="both")

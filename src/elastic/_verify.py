@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -23,13 +24,12 @@ log = logging.getLogger("elastic")
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
-    h = hashlib.blake2b(digest_size=12)
-    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    """dtype, shape and a CRC-32 of the bytes: 4 GB/s here (a cryptographic hash is 1-2 GB/s), and any
+    difference confined to 4 bytes is caught with certainty; replicas are not adversaries."""
     c = t.detach().to("cpu").contiguous()
     n = c.numel() * c.element_size()
-    if n:
-        h.update(memoryview((ctypes.c_char * n).from_address(c.data_ptr())))
-    return h.hexdigest()
+    crc = zlib.crc32(memoryview((ctypes.c_char * n).from_address(c.data_ptr()))) if n else 0
+    return f"{t.dtype}{tuple(t.shape)}:{crc:08x}"
 
 
 def _feed(h: Any, node: Any) -> None:
