@@ -263,6 +263,52 @@ def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dests, srcs)
 
 
+def _whole_runs(
+    buf: torch.Tensor,
+    k: int,
+    buckets: list[Bucket],
+    tensors: list[torch.Tensor],
+    takes: Callable[[int, torch.Tensor], bool],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[Segment, bool]]]:
+    """Split bucket `k` (whose bytes are `buf`) for packing or unpacking.
+
+    The whole tensors that `takes(index, tensor)` accepts, in runs of one dtype lying end to end, get views
+    of the bucket shaped like them (one C++ call per run). Returns those views, the tensors in the same
+    order, and every other segment with whether it holds a whole tensor, in bucket order.
+    """
+    views: list[torch.Tensor] = []
+    whole_tensors: list[torch.Tensor] = []
+    others: list[tuple[Segment, bool]] = []
+    run: list[torch.Tensor] = []
+    start = end = 0
+    dtype = torch.uint8
+
+    def flush() -> None:
+        if run:
+            views.extend(_unflatten(buf[start:end].view(dtype), run))
+            whole_tensors.extend(run)
+            run.clear()
+
+    bucket = buckets[k]
+    first_whole, last_whole = _whole(bucket, k, buckets)
+    last = len(bucket.segments) - 1
+    for n, seg in enumerate(bucket.segments):
+        tensor = tensors[seg.tensor]
+        whole = (n > 0 or first_whole) and (n < last or last_whole)
+        if whole and takes(seg.tensor, tensor):
+            if run and (tensor.dtype != dtype or seg.at != end):
+                flush()
+            if not run:
+                dtype, start = tensor.dtype, seg.at
+            run.append(tensor)
+            end = seg.at + seg.length
+        else:
+            flush()
+            others.append((seg, whole))
+    flush()
+    return views, whole_tensors, others
+
+
 # -----------------------------------------------------------------------------------------------------------
 # Source
 
@@ -296,40 +342,14 @@ def send_tensors(
             current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
         return current[1]
 
-    def pack(buf: torch.Tensor, bucket: Bucket, k: int) -> None:
-        # Runs of whole tensors of one dtype go in two C++ calls: views of the bucket shaped like the
-        # tensors, then one copy per pair (any strides, conjugate views included). Split tensors and
-        # tensors on another device go byte by byte.
-        dests: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        run: list[torch.Tensor] = []
-        start = end = 0
-        dtype = torch.uint8
-
-        def flush() -> None:
-            if run:
-                dests.extend(_unflatten(buf[start:end].view(dtype), run))
-                srcs.extend(run)
-                run.clear()
-
-        first_whole, last_whole = _whole(bucket, k, buckets)
-        last = len(bucket.segments) - 1
-        for n, seg in enumerate(bucket.segments):
-            tensor = tensors[seg.tensor]
-            whole = (n > 0 or first_whole) and (n < last or last_whole)
-            if whole and tensor.device == buf.device:
-                if run and (tensor.dtype != dtype or seg.at != end):
-                    flush()
-                if not run:
-                    dtype, start = tensor.dtype, seg.at
-                run.append(tensor)
-                end = seg.at + seg.length
-                continue
-            flush()
+    def pack(buf: torch.Tensor, k: int) -> None:
+        # Whole tensors on the bucket's device go through views of the bucket shaped like them, one copy
+        # per pair in one call (any strides, conjugate views included); the others byte by byte.
+        dests, srcs, others = _whole_runs(buf, k, buckets, tensors, lambda i, t: t.device == buf.device)
+        for seg, _ in others:
             buf[seg.at : seg.at + seg.length].copy_(
                 source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
             )
-        flush()
         _copy_all(dests, srcs)
 
     with _quiet():
@@ -354,7 +374,7 @@ def send_tensors(
                 if not failed:
                     try:
                         fault_point(phase, comm.rank)
-                        pack(buf, bucket, k)
+                        pack(buf, k)
                     except Exception as exc:
                         failed = True
                         on_error(exc)
@@ -449,37 +469,16 @@ def _receive_buckets(
     bufs = owned[: min(depth, len(buckets))]
     temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
 
-    def unpack(buf: torch.Tensor, bucket: Bucket, k: int) -> None:
+    def unpack(buf: torch.Tensor, k: int) -> None:
         # As `pack`, the other way round: whole tensors are copied from views of the bucket shaped like
         # them (any target strides); split tensors byte by byte, through one temporary when the target's
         # bytes are not its values in order.
         nonlocal temp
-        dests: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        run: list[torch.Tensor] = []
-        start = end = 0
-        dtype = torch.uint8
-
-        def flush() -> None:
-            if run:
-                srcs.extend(_unflatten(buf[start:end].view(dtype), run))
-                dests.extend(run)
-                run.clear()
-
-        first_whole, last_whole = _whole(bucket, k, buckets)
-        last = len(bucket.segments) - 1
-        for n, seg in enumerate(bucket.segments):
+        srcs, dests, others = _whole_runs(
+            buf, k, buckets, targets, lambda i, t: t.device == buf.device and t.dtype == metas[i].dtype
+        )
+        for seg, whole in others:
             target = targets[seg.tensor]
-            whole = (n > 0 or first_whole) and (n < last or last_whole)
-            if whole and target.device == buf.device and target.dtype == metas[seg.tensor].dtype:
-                if run and (target.dtype != dtype or seg.at != end):
-                    flush()
-                if not run:
-                    dtype, start = target.dtype, seg.at
-                run.append(target)
-                end = seg.at + seg.length
-                continue
-            flush()
             piece = buf[seg.at : seg.at + seg.length]
             if not whole and target.device == buf.device and _plain(target):
                 dests.append(_raw(target)[seg.offset : seg.offset + seg.length])
@@ -492,7 +491,6 @@ def _receive_buckets(
             if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
                 target.copy_(temp[1])
                 temp = None
-        flush()
         _copy_all(dests, srcs)
 
     pending: deque[tuple[int, Any]] = deque()
@@ -506,7 +504,7 @@ def _receive_buckets(
         if not failed():
             try:
                 fault_point(phase, comm.rank)
-                unpack(buf[: buckets[k].size], buckets[k], k)
+                unpack(buf[: buckets[k].size], k)
             except Exception as exc:
                 temp = None
                 fail(exc)
