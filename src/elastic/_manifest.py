@@ -209,15 +209,20 @@ def _inside(directory: Path, name: Any) -> bool:
     )
 
 
+def _stat(path: Path, missing: str) -> os.stat_result:
+    """`os.stat(path)`, or `InvalidCheckpoint` saying `missing` (absent) or that it cannot be read."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        raise _bad(path, missing) from None
+    except OSError as exc:
+        raise _bad(path, f"cannot be read ({exc})") from None
+
+
 def validate(directory: Path) -> Candidate:
     """Read and check one checkpoint's manifest (and its files' sizes); `InvalidCheckpoint` otherwise."""
     mpath = directory / MANIFEST
-    try:
-        st = os.stat(mpath)
-    except FileNotFoundError:
-        raise _bad(mpath, "missing: the checkpoint is incomplete") from None
-    except OSError as exc:
-        raise _bad(mpath, f"cannot be read ({exc})") from None
+    st = _stat(mpath, "missing: the checkpoint is incomplete")
     if st.st_size > MAX_MANIFEST:
         raise _bad(mpath, f"is {st.st_size} bytes, too large to be a manifest")
     try:
@@ -275,12 +280,7 @@ def validate(directory: Path) -> Candidate:
             and len(rec[TREE_KEY]) == 64
         ):
             raise _bad(mpath, f"has a malformed record for {name}")
-        try:
-            fst = os.stat(fpath)
-        except FileNotFoundError:
-            raise _bad(fpath, "is missing: the checkpoint is incomplete") from None
-        except OSError as exc:
-            raise _bad(fpath, f"cannot be read ({exc})") from None
+        fst = _stat(fpath, "is missing: the checkpoint is incomplete")
         if not os.path.isfile(fpath):
             raise _bad(fpath, "is not a regular file")
         if fst.st_size != rec["size"]:
