@@ -104,9 +104,7 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
             msg = f"verify: rank {rank} could not digest its state: {r.error}"
             raise SyncError(msg, phase="verify") from None
     tables = [r.digests or {} for r in rows]
-    keys: list[str] = []
-    for table in tables:
-        keys.extend(k for k in table if k not in keys)
+    keys = list(dict.fromkeys(k for table in tables for k in table))  # first-seen order, linear time
     lines = []
     for key in keys:
         groups: dict[str, list[int]] = {}
