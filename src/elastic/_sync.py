@@ -155,9 +155,11 @@ def _check_schemas(comm: Comm, records: Sequence[Record], state: Any, op: str) -
     if same:
         return
     # Everyone saw the mismatch: gather the full schemas once more to say exactly what differs.
-    full = [
-        cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(schema_of(state)), "schema")
-    ]
+    try:
+        mine: Any = schema_of(state)
+    except Exception as exc:  # still take part: the others are already in the all-gather
+        mine = (f"<schema failed: {type(exc).__name__}: {exc}>", ())
+    full = [cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(mine), "schema")]
     raise StateMismatchError(_mismatch_message(full, op)) from None
 
 
