@@ -11,7 +11,8 @@ import torch
 
 import elastic
 from elastic import elastic_state
-from elastic._decorator import config_of, lineage, set_lineage
+from elastic._config import config_of
+from elastic._lineage import lineage, set_lineage
 
 
 @elastic_state(tenure="step")
@@ -166,17 +167,17 @@ def test_torn_state_has_no_tenure_and_lineage_is_per_instance() -> None:
 
 
 def test_lineage_is_dropped_with_the_instance() -> None:
-    from elastic import _decorator
+    from elastic import _lineage
 
     s = Plain()
     set_lineage(s, token="x", torn=False)
     key = id(s)
-    assert key in _decorator._registry
+    assert key in _lineage._registry
     del s
     import gc
 
     gc.collect()
-    assert key not in _decorator._registry
+    assert key not in _lineage._registry
 
 
 def test_sync_without_process_group_is_local_and_calls_on_sync() -> None:

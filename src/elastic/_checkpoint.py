@@ -28,14 +28,7 @@ import torch
 from . import _ckpt_read as _r
 from . import _ckpt_write as _w
 from ._comm import Comm
-from ._decorator import (
-    StateConfig,
-    as_timedelta,
-    config_of,
-    is_elastic_state,
-    lineage,
-    saved_fields,
-)
+from ._config import StateConfig, config_of, is_elastic_state, saved_fields
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,6 +36,7 @@ from ._errors import (
     TenureError,
     UntrustedCheckpointError,
 )
+from ._lineage import lineage
 from ._manifest import (
     InvalidCheckpoint,
     check_saveable_tenure,
@@ -52,6 +46,7 @@ from ._manifest import (
     validate,
 )
 from ._sync import elect, run_sync
+from ._timeouts import as_timedelta
 from ._tree import (
     kind_of,
 )

@@ -15,8 +15,10 @@ import cloudpickle
 import torch
 
 from ._comm import Comm, fault_point, ranks_str
-from ._decorator import StateConfig, as_timedelta, config_of, lineage, set_lineage
+from ._config import StateConfig, config_of
 from ._errors import StateMismatchError, SyncError, TenureError
+from ._lineage import lineage, set_lineage
+from ._timeouts import as_timedelta
 from ._transport import is_direct, receive_tensors, send_tensors
 from ._tree import (
     Flat,

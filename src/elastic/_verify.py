@@ -14,8 +14,9 @@ import cloudpickle
 import torch
 
 from ._comm import Comm, ranks_str
-from ._decorator import as_timedelta, config_of
+from ._config import config_of
 from ._errors import DivergenceError, SyncError
+from ._timeouts import as_timedelta
 from ._tree import ContainerNode, StatefulNode, StateNode, TensorSlot, flatten, path_str
 
 __all__ = ["digests", "verify"]
