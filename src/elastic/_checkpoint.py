@@ -39,13 +39,13 @@ from ._errors import (
 from ._lineage import lineage
 from ._manifest import (
     InvalidCheckpoint,
-    check_saveable_tenure,
     is_checkpoint_dir,
     scan,
     skipped,
     validate,
 )
-from ._sync import elect, run_sync
+from ._sync import run_sync
+from ._tenure import Incomparable, check_saveable, elect, exceeds, greater
 from ._timeouts import as_timedelta
 from ._tree import (
     kind_of,
@@ -122,33 +122,6 @@ def _node_id() -> str:
     """torchrun's GROUP_RANK (one agent = one node) where set, else the hostname."""
     group_rank = os.environ.get("GROUP_RANK")
     return f"group-rank {group_rank}" if group_rank not in (None, "") else f"host {socket.gethostname()}"
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _gt(a: Any, b: Any, what_a: str, what_b: str, op: str) -> bool:
-    """Whether tenure `a` is strictly greater than `b` (`None` least); `TenureError` if incomparable."""
-    if a is None:
-        return False
-    if b is None:
-        return True
-    if type(a) is not type(b) and not (_is_number(a) and _is_number(b)):
-        raise _incomparable(a, b, what_a, what_b, op)
-    try:
-        return bool(a > b)
-    except TypeError:
-        raise _incomparable(a, b, what_a, what_b, op) from None
-
-
-def _incomparable(a: Any, b: Any, what_a: str, what_b: str, op: str) -> TenureError:
-    msg = (
-        f"{op}: the tenure {a!r} of {what_a} cannot be compared with the tenure {b!r} of {what_b}; "
-        "tenures must be of one orderable type (remove checkpoints of another run from the directory, or "
-        "make the tenure callable return the same type as before)"
-    )
-    return TenureError(msg)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -352,7 +325,7 @@ def save(
             "sync). Load or train first, or make the tenure callable return a value"
         )
         raise CheckpointError(msg) from None
-    check_saveable_tenure(top)
+    check_saveable(top)
     if scope == "global":
         mine, writers = best, {best}
     else:
@@ -361,7 +334,9 @@ def save(
         for rank, node in enumerate(nodes):
             members.setdefault(node, []).append(rank)
         leaders = {node: rs[elect([tenures[r] for r in rs], "save")] for node, rs in members.items()}
-        behind = [n for n, r in leaders.items() if _gt(top, tenures[r], f"rank {best}", f"rank {r}", "save")]
+        behind = [
+            n for n, r in leaders.items() if exceeds(top, tenures[r], f"rank {best}", f"rank {r}", "save")
+        ]
         if behind:
             log.info("save: %s behind the most tenured state; syncing before the node-local save", behind)
             run_sync(state, group=group, timeout=deadline, op="save")
@@ -456,7 +431,7 @@ def _best_candidate(records: Sequence[_LoadRecord], excluded: set[tuple[int, int
                 best = (rank, i)
                 continue
             cur = records[best[0]].seen[best[1]]
-            if _gt(seen.tenure, cur.tenure, seen.path, cur.path, "load"):
+            if exceeds(seen.tenure, cur.tenure, seen.path, cur.path, "load"):
                 best = (rank, i)
     return best
 
@@ -514,7 +489,7 @@ def load(
             break
         reader, index = choice
         seen = records[reader].seen[index]
-        if not _gt(
+        if not exceeds(
             seen.tenure, memory[mem_best], f"checkpoint {seen.path}", f"rank {mem_best}'s state", "load"
         ):
             break
@@ -610,8 +585,8 @@ def _expendable(
         if (r, i) != choice and (r, i) not in excluded
     ]
     try:
-        return any(not _gt(mine, t, "memory", "another state", "load") for t in others if t is not None)
-    except TenureError:
+        return any(not greater(mine, t) for t in others if t is not None)
+    except Incomparable:
         return False
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from ._comm import Comm, fault_point, ranks_str
 from ._config import StateConfig, config_of
 from ._errors import StateMismatchError, SyncError, TenureError
 from ._lineage import lineage, set_lineage
+from ._tenure import elect
 from ._timeouts import as_timedelta
 from ._transport import is_direct, receive_tensors, send_tensors
 from ._tree import (
@@ -80,17 +80,6 @@ class Record:
     schema: Any = None
     src: int | None = None
     error: tuple[str, str] | None = None  # (kind, message)
-
-
-def _has_nan(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isnan(value)
-    if isinstance(value, tuple):
-        return any(_has_nan(v) for v in value)
-    try:
-        return bool(value != value)
-    except Exception:
-        return False
 
 
 def _local_record(state: Any, config: StateConfig, src: int | None, rank: int, with_schema: bool) -> Record:
@@ -224,46 +213,6 @@ def _module_diff(layouts: Sequence[Sequence[tuple[str, tuple[int, ...], str]]]) 
         if len(groups) > 1:
             parts.append(f"{key}: " + ", ".join(f"{t} on {ranks_str(rs)}" for t, rs in groups.items()))
     return "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
-
-
-def elect(tenures: Sequence[Any], op: str = "sync") -> int:
-    """The rank of the maximum tenure (`None` least, ties to the lowest rank), or `TenureError`."""
-    nan = [r for r, t in enumerate(tenures) if t is not None and _has_nan(t)]
-    if nan:
-        msg = (
-            f"{op}: tenure is NaN on {ranks_str(nan)} ({tenures[nan[0]]!r}); NaN cannot be ordered. "
-            "Return a number, string or tuple that grows as training advances (the step, for instance)"
-        )
-        raise TenureError(msg) from None
-    best = 0
-    for rank in range(1, len(tenures)):
-        a, b = tenures[best], tenures[rank]
-        if b is None:
-            continue
-        if a is None:
-            best = rank
-            continue
-        if type(a) is not type(b) and not (_is_number(a) and _is_number(b)):
-            raise _incomparable(op, best, a, rank, b)
-        try:
-            if b > a:
-                best = rank
-        except TypeError:
-            raise _incomparable(op, best, a, rank, b) from None
-    return best
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _incomparable(op: str, r1: int, a: Any, r2: int, b: Any) -> TenureError:
-    msg = (
-        f"{op}: tenures cannot be compared: rank {r1} has {a!r} ({type(a).__name__}) and rank {r2} has "
-        f"{b!r} ({type(b).__name__}); the tenure callable must return values of one orderable type "
-        "on every rank"
-    )
-    return TenureError(msg)
 
 
 # -----------------------------------------------------------------------------------------------------------
