@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._comm import ranks_str
 from ._errors import TenureError
 
+if TYPE_CHECKING:
+    from ._config import StateConfig
+    from ._lineage import Lineage
+
 __all__ = [
     "Incomparable",
     "check_saveable",
+    "current",
     "elect",
     "exceeds",
     "greater",
@@ -33,6 +38,11 @@ __all__ = [
 
 class Incomparable(Exception):
     """Two tenures that cannot be ordered (raised by `greater`; callers say which values, and where)."""
+
+
+def current(state: Any, config: StateConfig, line: Lineage) -> Any:
+    """The tenure of `state` now: `None` when its lineage is torn, else what its tenure callable says."""
+    return None if line.torn else config.tenure(state)
 
 
 def is_number(x: Any) -> bool:
