@@ -156,30 +156,6 @@ def test_frozen_and_slotted_classes() -> None:
     assert lineage(n).torn and elastic.tenure(n) is None  # but a torn mark is always kept
 
 
-def test_torn_state_has_no_tenure_and_lineage_is_per_instance() -> None:
-    a, b = Plain(step=5), Plain(step=5)
-    set_lineage(a, token="t1", torn=True)
-    assert elastic.tenure(a) is None
-    assert elastic.tenure(b) == 5
-    assert lineage(b).token is None
-    set_lineage(a, token="t2", torn=False)
-    assert elastic.tenure(a) == 5 and lineage(a).token == "t2"
-
-
-def test_lineage_is_dropped_with_the_instance() -> None:
-    from elastic import _lineage
-
-    s = Plain()
-    set_lineage(s, token="x", torn=False)
-    key = id(s)
-    assert key in _lineage._registry
-    del s
-    import gc
-
-    gc.collect()
-    assert key not in _lineage._registry
-
-
 def test_sync_without_process_group_is_local_and_calls_on_sync() -> None:
     seen = []
 
