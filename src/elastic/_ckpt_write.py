@@ -40,7 +40,7 @@ from ._ckpt_format import (
     write_content,
 )
 from ._comm import fault_point
-from ._decorator import saved_fields
+from ._config import saved_fields
 from ._manifest import build_manifest, dir_name, is_checkpoint_dir, manifest_bytes, scan, tenure_to_json
 from ._tree import flatten, kind_of
 
