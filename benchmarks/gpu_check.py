@@ -432,7 +432,8 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
         row(
             f"save(blocking=False) #{k}: blocks the caller",
             (written / "manifest.json").is_file(),
-            f"{held[0]:.3f} s ({held[0] / blocking[0]:.2f}x the blocking save); written {waited[0]:.2f} s later",
+            f"{held[0]:.3f} s ({held[0] / blocking[0]:.2f}x the blocking save); "
+            f"written {waited[0]:.2f} s later",
             pk,
         )
         if k == 1 and cuda:
@@ -494,7 +495,8 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
     row(
         "load: from the newest checkpoint",
         report.source == "checkpoint" and report.tenure == 3 and state.step == 3,
-        f"{report.source}, tenure {report.tenure}; {e_load[0]:.2f} s ({e_load[0] / t_load[0]:.2f}x torch.load)",
+        f"{report.source}, tenure {report.tenure}; {e_load[0]:.2f} s "
+        f"({e_load[0] / t_load[0]:.2f}x torch.load)",
         pk,
     )
     ok, text = in_place(state, ptrs, params)
@@ -712,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"elastic {elastic.__version__} from {Path(elastic.__file__).parent}; torch {torch.__version__}")
     print(f"GPU: {gpu}; states on {device}; checkpoints in {root} ({fs_type(root)})")
     print(
-        f"sizes: sync model {model_gib:g} GiB, checkpoint state {ckpt_gib:g} GiB, {count} parameters per model"
+        f"sizes: sync model {model_gib:g} GiB, checkpoint state {ckpt_gib:g} GiB, "
+        f"{count} parameters per model"
     )
     sys.stdout.flush()
 
