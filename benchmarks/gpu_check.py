@@ -395,6 +395,13 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
     total = nbytes(tensors_of(state))
     row("state", None, f"{total / GiB:.3f} GiB in {len(tensors_of(state))} tensors on {device}")
     ckpts = root / "elastic"
+    free, needed = shutil.disk_usage(root).free, int(2.5 * total)  # two checkpoints, or one and torch's
+    if free < needed:
+        msg = (
+            f"{root} has {free / GiB:.1f} GiB free, the checkpoint part needs about {needed / GiB:.1f} GiB; "
+            "pass --dir on a larger disk or a smaller --ckpt-gib"
+        )
+        raise RuntimeError(msg)
 
     # A blocking save.
     blocking: list[float] = []
@@ -733,7 +740,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in parts:
             t0 = time.perf_counter()
             try:
-                rows.extend(runners[name]())
+                found = runners[name]()
+                rows.extend(found)
+                for r in found:  # as they come, so that a run stopped later still shows them
+                    print(
+                        f"gpu_check: {r.part}: {r.step}: {r.status} {r.value} {r.peak}".rstrip(), flush=True
+                    )
             except Exception as exc:
                 traceback.print_exc()
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
