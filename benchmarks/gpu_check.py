@@ -380,6 +380,12 @@ def _disk_sync() -> None:
         os.sync()
 
 
+def _host_stat(key: str) -> int:
+    """One counter of torch's pinned host allocator (0 where this torch has none)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return int(stats().get(key, 0)) if stats is not None else 0
+
+
 def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
     from elastic import _ckpt_write
 
@@ -417,6 +423,7 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
 
     # Two async saves: how long each blocks, the staging reused; the state changes after the second.
     staged: list[list[int]] = []
+    host_allocs: list[int] = []
     snapshot: list[torch.Tensor] = []
     for k in (1, 2):
         state.step += 1
@@ -428,6 +435,8 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
             handle = elastic.save(state, ckpts, keep=1, blocking=False)
         staging = list(_ckpt_write._staging)
         staged.append([t.data_ptr() for t in staging])
+        if cuda:
+            host_allocs.append(_host_stat("num_host_alloc"))
         if k == 2:  # the checkpoint must hold the values at save time, not these
             with torch.no_grad():
                 for t in tensors_of(state):
@@ -455,6 +464,16 @@ def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
         len(staged[0]) == len(staged[1]) > 0 and staged[0] == staged[1],
         f"{sum(a == b for a, b in zip(*staged))}/{len(staged[1])} buffers the same",
     )
+
+    if cuda:
+        held_bytes = _host_stat("allocated_bytes.current")
+        new_blocks = host_allocs[1] - host_allocs[0]
+        row(
+            "save(blocking=False): pinned host memory",
+            None,
+            f"{held_bytes / GiB:.2f} GiB held for {nbytes(staging) / GiB:.2f} GiB staged "
+            f"(blocks rounded to powers of two); second save made {new_blocks} new blocks",
+        )
 
     # torch.save / torch.load of the same state (torch.save plus fsync: elastic's save is durable).
     tfile = root / "torch.pt"
@@ -558,13 +577,8 @@ def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
         with Peak(device) as pk:
             elastic.init_process_group(backend, timeout=timeout)
         row(f'init_process_group("{backend}")', dist.get_backend() == backend, dist.get_backend(), pk)
-        state = build(
-            seed=3,
-            device=device,
-            model_bytes=min(16 * MiB, cfg["model_bytes"]),
-            count=min(cfg["tensors"], 64),
-            step=5,
-        )
+        # Eight weights of 3 MiB (broadcast on their own) and everything else through the buckets.
+        state = build(seed=3, device=device, model_bytes=24 * MiB, count=16, step=5)
         with Peak(device) as pk:
             report = elastic.sync(state, timeout=timeout)
         row(

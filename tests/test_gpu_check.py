@@ -97,6 +97,10 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
     assert rows[("sync", "sync: fast path (tensor_bytes == 0)")][1].startswith("r0: tensor_bytes 0")
     assert rows[("ckpt", "save(blocking=False): staging reused")][1] == "128/128 buffers the same"
     assert rows[("ckpt", "load: values equal the async save's")][1] == "128/128 tensors bitwise equal"
+    assert re.match(
+        r"[1-9][0-9]* direct, [0-9]+ bucketed; source unchanged",
+        rows[("world1/gloo", "send_tensors (source's half)")][1],
+    )
     timing = rows[("sync", "time: sync(force=True) vs one flat broadcast")]
     assert timing[0] == "info" and re.search(r"\(gloo, CPU\): [0-9.]+x", timing[1]), timing
     skipped = {key: value for key, (status, value) in rows.items() if status == "SKIPPED"}
