@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ def same_values(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int]
     return good, len(a)
 
 
-def in_place(state: CheckState, ptrs: list[int], params: list[torch.Tensor]) -> tuple[bool, str]:
+def in_place(state: CheckState, ptrs: list[int], params: Sequence[torch.Tensor]) -> tuple[bool, str]:
     """Whether every tensor kept its storage and the optimizer still holds the model's parameters."""
     now = tensors_of(state)
     kept = sum(1 for t, p in zip(now, ptrs) if t.data_ptr() == p) if len(now) == len(ptrs) else 0
@@ -236,7 +236,7 @@ def sync_worker(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     timeout = timedelta(seconds=cfg["timeout"])
     rows: list[dict[str, Any]] = []
 
-    def row(step: str, ok: bool | None, value: str, peak: Peak | None = None) -> None:
+    def row(step: str, ok: bool | None, value: str, peak: Peak | str | None = None) -> None:
         status = INFO if ok is None else (OK if ok else WRONG)
         rows.append({"step": step, "status": status, "value": value, "peak": peak})
 
@@ -629,13 +629,13 @@ def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
                     t.mul_(-1.0)
         state.step = 0
         with Peak(device) as pk:
-            report = elastic.load(state, ckpts, timeout=timeout)
+            loaded = elastic.load(state, ckpts, timeout=timeout)
         good, n = same_values(tensors_of(state), snapshot)
         kept, _ = in_place(state, ptrs, params)
         row(
             "load",
-            report.source == "checkpoint" and state.step == 5 and good == n and kept,
-            f"{report.source}, {good}/{n} equal, in place {kept}",
+            loaded.source == "checkpoint" and state.step == 5 and good == n and kept,
+            f"{loaded.source}, {good}/{n} equal, in place {kept}",
             pk,
         )
         state.step = 6
