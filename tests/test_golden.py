@@ -44,8 +44,10 @@ def same_value(a: Any, b: Any) -> None:
         assert a == b, (a, b)
 
 
-def check(state: golden_state.GoldenState, objects: bool) -> None:
+def check(state: golden_state.GoldenState, objects: bool, step: int = 1234) -> None:
+    """`state` holds every value of `golden_state.build()` (with `step`), bit for bit."""
     want = golden_state.build()
+    want.step = step
     for (ka, a), (kb, b) in zip(state.model.state_dict().items(), want.model.state_dict().items()):
         assert ka == kb
         same_tensor(a, b)

@@ -53,18 +53,18 @@ def test_file_size_refuses_what_is_not_a_plain_file_inside(tmp_path: Path) -> No
 
 
 def test_pending_checkpoints_publish_atomically_under_a_free_name(tmp_path: Path) -> None:
-    pending = S.LOCAL.begin(tmp_path)
+    pending = S.LOCAL.begin(tmp_path, "ckpt-1")
     hidden = [n for n in os.listdir(tmp_path) if n.startswith(S.TMP_PREFIX)]
     assert len(hidden) == 1 and f"-{os.getpid()}-" in hidden[0]
     record = IO.write_bytes(pending, "data", b"payload")
     assert record.size == 7 and record.digest == IO.tree_root([IO.ChunkSum(b"payload").digest()])
     pending.seal("manifest.json", b"{}")
     (tmp_path / "ckpt-1").mkdir()  # taken: the next free name is used
-    final = pending.publish("ckpt-1")
+    final = pending.publish()
     assert final == tmp_path / "ckpt-1.1"
     assert sorted(os.listdir(final)) == ["data", "manifest.json"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt-1", "ckpt-1.1"]
-    failed = S.LOCAL.begin(tmp_path)
+    failed = S.LOCAL.begin(tmp_path, "ckpt-2")
     IO.write_bytes(failed, "data", b"partial")
     failed.discard()
     assert sorted(os.listdir(tmp_path)) == ["ckpt-1", "ckpt-1.1"]
@@ -75,7 +75,7 @@ def test_retire_hides_at_once_and_stale_leftovers_go(tmp_path: Path) -> None:
     (tmp_path / "ckpt-1" / "f").write_bytes(b"x")
     S.LOCAL.retire(tmp_path / "ckpt-1")
     assert not (tmp_path / "ckpt-1").exists()  # renamed out of sight before being deleted
-    busy = S.LOCAL.begin(tmp_path)  # this process is writing it: never stale
+    busy = S.LOCAL.begin(tmp_path, "ckpt-3")  # this process is writing it: never stale
     mine = tmp_path / f"{S.TMP_PREFIX}{S.host_tag()}-{os.getpid()}-0000beef"  # this pid, not in use
     foreign = tmp_path / f"{S.TMP_PREFIX}elsewhere-1-0000beef"
     for d in (mine, foreign):

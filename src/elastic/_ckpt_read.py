@@ -67,7 +67,8 @@ def read(
 ) -> Status:
     """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
     try:
-        read_into(state, directory, trusted, strict, stream, storage)
+        with storage.session(directory):
+            read_into(state, directory, trusted, strict, stream, storage)
         return Status("ok")
     except InvalidCheckpoint as exc:
         skipped("load", str(exc))
@@ -75,7 +76,7 @@ def read(
     except Refused as exc:
         return Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
     except Exception as exc:
-        text = f"reading {directory} failed: {type(exc).__name__}: {exc}"
+        text = f"reading {directory} failed: {storage.explain(exc) or f'{type(exc).__name__}: {exc}'}"
         return Status("error", text, torn=lineage(state).torn)
 
 

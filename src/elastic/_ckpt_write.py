@@ -170,7 +170,7 @@ def write(job: Job) -> Any:
     started = time.time()
     storage.make_root(root)
     storage.clean_stale(root, started)
-    pending = storage.begin(root)
+    pending = storage.begin(root, dir_name(job.tenure))
     try:
         fault_point("write", rank)
         files = []
@@ -181,7 +181,7 @@ def write(job: Job) -> Any:
         manifest = build_manifest(job.info, files)
         pending.seal(MANIFEST, manifest_bytes(manifest))
         fault_point("rename", rank)
-        final = pending.publish(dir_name(job.tenure))
+        final = pending.publish()
     except BaseException:
         pending.discard()
         raise
@@ -198,7 +198,7 @@ def run_job(job: Job) -> Outcome:
     try:
         return Outcome(rank=job.rank, path=str(write(job)), root=str(job.root))
     except Exception as exc:
-        return Outcome(rank=job.rank, error=explain(exc), root=str(job.root))
+        return Outcome(rank=job.rank, error=job.storage.explain(exc) or explain(exc), root=str(job.root))
 
 
 def explain(exc: BaseException) -> str:

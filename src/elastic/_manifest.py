@@ -272,8 +272,10 @@ def scan(root: Any, *, warn: bool = True, op: str = "load", storage: Storage = L
         if entry.name.startswith(".") or not entry.is_dir:
             continue
         directory = entry.location
-        if not is_checkpoint_dir(directory, storage) and not entry.name.startswith(PREFIX):
-            continue  # not ours
+        if not is_checkpoint_dir(directory, storage) and (
+            storage.in_place or not entry.name.startswith(PREFIX)
+        ):
+            continue  # not ours, or (written in place, manifest last) not complete yet
         try:
             found.append(validate(directory, storage))
         except InvalidCheckpoint as exc:

@@ -7,6 +7,8 @@ list, stat, read, map, create and remove. How a checkpoint becomes visible is th
 - `Storage.begin` opens a `Pending` checkpoint under a root; its `create` gives a `Sink` per file;
 - `Pending.seal` hands over the manifest (the last thing written), `Pending.publish` makes the checkpoint
   visible and returns its location, `Pending.discard` removes whatever a failed write left;
+- `Storage.session` brackets the reads of one checkpoint (a remote storage downloads each file once);
+- `Storage.explain` turns a storage's own errors into a message with the fix;
 - `Storage.clean_stale` removes what writers that died left behind, `Storage.retire` deletes a published
   checkpoint so that no reader ever sees it half-deleted.
 
@@ -119,8 +121,8 @@ class Pending(abc.ABC):
         `publish` returns."""
 
     @abc.abstractmethod
-    def publish(self, base: str) -> Any:
-        """Make the checkpoint visible under a free name `base`, `base.1`, ...; returns its location."""
+    def publish(self) -> Any:
+        """Make the checkpoint visible under its name (see `Storage.begin`); returns its location."""
 
     @abc.abstractmethod
     def discard(self) -> None:
@@ -129,6 +131,10 @@ class Pending(abc.ABC):
 
 class Storage(abc.ABC):
     """The operations the checkpoint writer and reader need from the place checkpoints are kept."""
+
+    #: Whether checkpoints are written under their final name (manifest last), so that a name without a
+    #: manifest is one being written (or abandoned), not a damaged checkpoint worth a warning.
+    in_place: bool = False
 
     # Names
 
@@ -185,6 +191,15 @@ class Storage(abc.ABC):
         empty file); the view is released when the block ends."""
         yield None
 
+    @contextmanager
+    def session(self, directory: Any) -> Iterator[None]:
+        """Bracket the reads of one checkpoint `directory` (the local filesystem needs nothing)."""
+        yield
+
+    def explain(self, exc: BaseException) -> str | None:
+        """`exc` (raised by this storage) with the fix, or None to leave it to the caller."""
+        return None
+
     # Writing
 
     @abc.abstractmethod
@@ -196,8 +211,8 @@ class Storage(abc.ABC):
         """Remove what dead writers left under `root` (partial checkpoints, half-deleted ones)."""
 
     @abc.abstractmethod
-    def begin(self, root: Any) -> Pending:
-        """Start writing a new checkpoint under `root`."""
+    def begin(self, root: Any, base: str) -> Pending:
+        """Start writing a new checkpoint under `root`, to be named `base` (or `base.1`, ... if taken)."""
 
     @abc.abstractmethod
     def retire(self, location: Any) -> None:
@@ -255,7 +270,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 class LocalFile(Sink):
     """A new local file written with `os.write` on a raw descriptor (no buffering, no copies)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
 
     def write(self, view: memoryview) -> None:
@@ -278,8 +293,9 @@ _in_use: set[str] = set()  # temporary directories this process is writing right
 class LocalPending(Pending):
     """A checkpoint written into a hidden temporary directory of the root, published by one rename."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, base: str) -> None:
         self.root = root
+        self.base = base
         self.tmp = root / f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.mkdir(self.tmp)
         with _in_use_lock:
@@ -294,7 +310,8 @@ class LocalPending(Pending):
             sink.sync()
         fsync_dir(self.tmp)
 
-    def publish(self, base: str) -> Path:
+    def publish(self) -> Path:
+        base = self.base
         try:
             n = 0
             while True:
@@ -329,6 +346,9 @@ class LocalStorage(Storage):
 
     def name(self, location: Any) -> str:
         return Path(location).name
+
+    def result(self, location: Any) -> Path:
+        return Path(location)
 
     def exists(self, location: Any) -> bool:
         return os.path.lexists(location)
@@ -414,8 +434,8 @@ class LocalStorage(Storage):
                 log.info("save: removing abandoned %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
 
-    def begin(self, root: Any) -> LocalPending:
-        return LocalPending(Path(root))
+    def begin(self, root: Any, base: str) -> LocalPending:
+        return LocalPending(Path(root), base)
 
     def retire(self, location: Any) -> None:
         """Renamed out of sight at once (a crash never leaves a half-deleted checkpoint visible), then
