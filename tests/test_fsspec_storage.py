@@ -389,3 +389,26 @@ def test_torch_tensors_survive_as_written(bucket: tuple[str, dict[str, Any], Any
     before = fresh.ema.data_ptr()
     elastic.load(fresh, url, trusted=True, storage_options=opts)
     assert torch.equal(fresh.ema, state.ema) and fresh.ema.data_ptr() != before  # new shape: a new tensor
+
+
+def test_leftovers_of_other_hosts_go_once_stale() -> None:
+    pytest.importorskip("fsspec")
+    from elastic._locate import locate
+    from elastic._storage import FOREIGN_STALE_SECONDS, host_tag
+
+    storage, root = locate(f"memory://elastic-test-{uuid.uuid4().hex[:8]}/run", None, "save")
+    assert isinstance(storage, FS.FsspecStorage)
+    fs = storage.fs
+    base = storage._p(root)
+    alive = f".tmp-{host_tag()}-{os.getppid()}-0000beef"  # a live process of this host may be writing
+    for marker, target in ((".tmp-otherhost-12-0000beef", "ckpt-9"), (alive, "ckpt-8")):
+        fs.pipe_file(f"{base}/{marker}", target.encode())
+        fs.pipe_file(f"{base}/{target}/state.pt", b"partial")
+    fs.pipe_file(f"{base}/.del-ckpt-1-0000beef", b"ckpt-1")  # a retention that died half-way
+    fs.pipe_file(f"{base}/ckpt-1/state.pt", b"old")
+    storage.clean_stale(root, time.time())
+    assert sorted(e.name for e in storage.entries(root)) == sorted(
+        [".tmp-otherhost-12-0000beef", alive, "ckpt-8", "ckpt-9"]
+    )
+    storage.clean_stale(root, time.time() + 2 * FOREIGN_STALE_SECONDS)
+    assert sorted(e.name for e in storage.entries(root)) == sorted([alive, "ckpt-8"])
