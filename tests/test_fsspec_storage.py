@@ -303,13 +303,11 @@ def test_wrong_credentials(bucket: tuple[str, dict[str, Any], Any], monkeypatch:
 
 def test_unreachable_endpoint_fails_fast() -> None:
     opts = options(f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    url = "s3://bucket/run"
-    started = time.monotonic()
+    url = "s3://bucket/run"  # the connect timeout (2 s) and 2 attempts bound it; pytest's timeout guards
     with pytest.raises(elastic.CheckpointError, match=rf"{url}.*endpoint cannot be reached.*endpoint_url"):
         elastic.save(saved(1), url, storage_options=opts)
     with pytest.raises(elastic.CheckpointError, match=r"endpoint cannot be reached"):
         elastic.load(golden_state.fresh(), url, storage_options=opts)
-    assert time.monotonic() - started < 60  # bounded by the connect timeout and the retries, no hang
 
 
 class _SlowDown(http.server.BaseHTTPRequestHandler):
