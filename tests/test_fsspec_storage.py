@@ -410,3 +410,20 @@ def test_leftovers_of_other_hosts_go_once_stale() -> None:
     )
     storage.clean_stale(root, time.time() + 2 * FOREIGN_STALE_SECONDS)
     assert sorted(e.name for e in storage.entries(root)) == sorted([alive, "ckpt-8"])
+
+
+def test_errors_are_explained_with_their_fix() -> None:
+    import errno
+
+    storage = FS.FsspecStorage(fs=None, protocol="s3")
+    explain = storage.explain
+    assert "does not exist" in str(explain(FS.MissingBucket("s3://b: the bucket 'b' does not exist")))
+    assert "point TMPDIR to a disk" in str(explain(OSError(errno.ENOSPC, "No space left on device")))
+    assert "check the credentials" in str(explain(PermissionError("InvalidAccessKeyId")))
+
+    class EndpointConnectionError(Exception):  # botocore's, by name: no import of botocore needed
+        pass
+
+    assert "endpoint_url" in str(explain(EndpointConnectionError("Could not connect")))
+    assert "throttling or failing" in str(explain(OSError("SlowDown: Please reduce your request rate")))
+    assert explain(ValueError("not the store's")) is None

@@ -25,6 +25,7 @@ errors that remain are explained with their fix (`FsspecStorage.explain`).
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import logging
 import os
 import posixpath
@@ -70,6 +71,9 @@ _UNREACHABLE = frozenset(
 )
 #: Words of a throttled or failing request that the backend's retries did not get through.
 _FAILING = ("slowdown", "slow down", "throttl", "503", "service unavailable", "500", "internal error")
+
+
+_NO_SPACE = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 
 
 class MissingBucket(FileNotFoundError):
@@ -343,6 +347,11 @@ class FsspecStorage(Storage):
     def explain(self, exc: BaseException) -> str | None:
         """What went wrong talking to the store, and the fix; None if `exc` is not a storage error."""
         text = f"{type(exc).__name__}: {exc}"
+        if getattr(exc, "errno", None) in _NO_SPACE:
+            return (
+                f"{text}. The local spool ({tempfile.gettempdir()}) that files pass through on their way to "
+                "the store is full: free space there, or point TMPDIR to a disk with room for one checkpoint"
+            )
         names = {c.__name__ for c in type(exc).__mro__}
         lowered = text.lower()
         if isinstance(exc, MissingBucket):
