@@ -398,16 +398,15 @@ def test_leftovers_of_other_hosts_go_once_stale() -> None:
     assert isinstance(storage, FS.FsspecStorage)
     fs = storage.fs
     base = storage._p(root)
-    alive = f".tmp-{host_tag()}-{os.getppid()}-0000beef"  # a live process of this host may be writing
-    for marker, target in ((".tmp-otherhost-12-0000beef", "ckpt-9"), (alive, "ckpt-8")):
+    alive = f".tmp-ckpt-8-{host_tag()}-{os.getppid()}-0000beef"  # a live process of this host may write
+    foreign = ".tmp-ckpt-9-otherhost-12-0000beef"
+    for marker, target in ((foreign, "ckpt-9"), (alive, "ckpt-8")):
         fs.pipe_file(f"{base}/{marker}", target.encode())
         fs.pipe_file(f"{base}/{target}/state.pt", b"partial")
     fs.pipe_file(f"{base}/.del-ckpt-1-0000beef", b"ckpt-1")  # a retention that died half-way
     fs.pipe_file(f"{base}/ckpt-1/state.pt", b"old")
     storage.clean_stale(root, time.time())
-    assert sorted(e.name for e in storage.entries(root)) == sorted(
-        [".tmp-otherhost-12-0000beef", alive, "ckpt-8", "ckpt-9"]
-    )
+    assert sorted(e.name for e in storage.entries(root)) == sorted([foreign, alive, "ckpt-8", "ckpt-9"])
     storage.clean_stale(root, time.time() + 2 * FOREIGN_STALE_SECONDS)
     assert sorted(e.name for e in storage.entries(root)) == sorted([alive, "ckpt-8"])
 
@@ -427,3 +426,24 @@ def test_errors_are_explained_with_their_fix() -> None:
     assert "endpoint_url" in str(explain(EndpointConnectionError("Could not connect")))
     assert "throttling or failing" in str(explain(OSError("SlowDown: Please reduce your request rate")))
     assert explain(ValueError("not the store's")) is None
+
+
+def test_writers_starting_together_claim_different_names() -> None:
+    pytest.importorskip("fsspec")
+    from elastic._locate import locate
+
+    storage, root = locate(f"memory://elastic-test-{uuid.uuid4().hex[:8]}/run", None, "save")
+    assert isinstance(storage, FS.FsspecStorage)
+    barrier = threading.Barrier(3)
+    claimed: list[str] = []
+
+    def writer() -> None:
+        barrier.wait()
+        claimed.append(storage.begin(root, "ckpt-000000000005").prefix)
+
+    threads = [threading.Thread(target=writer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(claimed) == [f"{root}/ckpt-000000000005{s}" for s in ("", ".1", ".2")]

@@ -6,9 +6,10 @@ imported when a URL is first used, never by ``import elastic``.
 Object stores have no rename, so a checkpoint is published manifest-last: its data objects are uploaded
 under their final prefix first, its manifest (which lists every object's size and checksums and carries its
 own digest) last; a prefix without a valid manifest is invisible to `load`. Before the first data object, a
-small marker ``.tmp-<host>-<pid>-<id>`` naming the prefix is written into the root, and removed once the
-manifest is in: the next `save` removes the prefix of a marker whose writer is gone (on this host: its
-process has exited; from another host: the marker is older than ten minutes). Retention writes a
+small marker ``.tmp-<name>-<host>-<pid>-<id>`` claiming the prefix is written into the root, and removed
+once the manifest is in; writers that start together settle on different names through their markers. The
+next `save` removes the prefix of a marker whose writer is gone (on this host: its process has exited;
+from another host: the marker is older than ten minutes). Retention writes a
 ``.del-<name>-<id>`` marker, deletes the manifest first, then the data, then the marker.
 
 Files travel through a local spool directory (``tempfile``'s, so ``TMPDIR`` chooses the disk): each file is
@@ -279,9 +280,9 @@ class FsspecStorage(Storage):
                 with _in_use_lock:
                     if marker in _in_use:
                         continue
-                parts = name[len(TMP_PREFIX) :].rsplit("-", 2)
-                if len(parts) == 3 and parts[0] == host and parts[1].isdigit():
-                    owner = int(parts[1])
+                parts = name[len(TMP_PREFIX) :].rsplit("-", 3)
+                if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
+                    owner = int(parts[2])
                     stale = owner == pid or not running(owner)
                 else:
                     stale = _mtime(info) < started - FOREIGN_STALE_SECONDS
@@ -314,21 +315,35 @@ class FsspecStorage(Storage):
             self.fs.rm_file(self._p(location))
 
     def begin(self, root: Any, base: str) -> FsspecPending:
-        taken = {e.name for e in self.entries(root)}
-        n = 0
-        while (base if n == 0 else f"{base}.{n}") in taken:
-            n += 1
-        name = base if n == 0 else f"{base}.{n}"
-        marker = self.join(root, f"{TMP_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        with _in_use_lock:
-            _in_use.add(marker)
-        try:
-            self.fs.pipe_file(self._p(marker), name.encode())
-        except BaseException:
+        """Claim a free name `base`, `base.1`, ... with a marker ``.tmp-<name>-<host>-<pid>-<id>``.
+
+        Writers that start together (``scope="node"`` leaders sharing one URL) may pick the same name:
+        after writing its marker each lists the root again, and of several markers claiming one name the
+        one that sorts first keeps it; the others withdraw and claim the next free name."""
+        tag = f"{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        while True:
+            names = [e.name for e in self.entries(root)]
+            taken = set(names) | {claim for n in names if (claim := _claimed(n)) is not None}
+            n = 0
+            while (base if n == 0 else f"{base}.{n}") in taken:
+                n += 1
+            name = base if n == 0 else f"{base}.{n}"
+            mine = f"{TMP_PREFIX}{name}-{tag}"
+            marker = self.join(root, mine)
+            with _in_use_lock:
+                _in_use.add(marker)
+            try:
+                self.fs.pipe_file(self._p(marker), name.encode())
+                rivals = sorted(n for n in (e.name for e in self.entries(root)) if _claimed(n) == name)
+                if not rivals or rivals[0] == mine:
+                    return FsspecPending(self, self.join(root, name), marker)
+                self._rm(marker)  # another writer claimed this name first: take the next one
+            except BaseException:
+                with _in_use_lock:
+                    _in_use.discard(marker)
+                raise
             with _in_use_lock:
                 _in_use.discard(marker)
-            raise
-        return FsspecPending(self, self.join(root, name), marker)
 
     def retire(self, location: Any) -> None:
         root = posixpath.dirname(_strip(str(location)))
@@ -401,6 +416,14 @@ def _mtime(info: dict[str, Any]) -> float:
             except ValueError:
                 continue
     return time.time()
+
+
+def _claimed(name: str) -> str | None:
+    """The checkpoint name a writer's marker ``.tmp-<name>-<host>-<pid>-<id>`` claims (None if not one)."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    parts = name[len(TMP_PREFIX) :].rsplit("-", 3)
+    return parts[0] if len(parts) == 4 and parts[0] else None
 
 
 _in_use_lock = threading.Lock()
