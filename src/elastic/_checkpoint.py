@@ -1,7 +1,8 @@
 """Checkpoints: collective `save` and `load`, the async save handle, and the `Stateful` protocol methods.
 
 `save` elects the writer (the most tenured rank, lowest in ties; one per node with ``scope="node"``), which
-writes the checkpoint into a temporary directory inside the root, fsyncs it and renames it into place; the
+writes the checkpoint through the root's storage (`_locate`: a local directory, written into a temporary
+directory, fsynced and renamed into place; or an fsspec URL, data objects first and the manifest last); the
 other ranks wait in one small all-gather that tells everyone the path or the writer's error.
 
 `load` lets every rank look at the manifests it can see, all-gathers (memory tenure, checkpoints), and
