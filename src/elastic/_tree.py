@@ -344,10 +344,13 @@ def receive_targets(
     which: Which,
     device_for: Callable[[TensorMeta], torch.device],
     index: dict[Path, torch.Tensor] | None = None,
+    *,
+    any_device: bool = False,
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Where each incoming tensor goes: the receiver's own tensor at the same path when it has the same
-    shape, dtype and device type (written in place), otherwise a new tensor allocated from the metadata on
-    `device_for(meta)`. Returns the targets and which of them are in place."""
+    shape, dtype and device type (any device type with `any_device`: the caller copies across devices),
+    written in place; otherwise a new tensor allocated from the metadata on `device_for(meta)`. Returns the
+    targets and which of them are in place."""
     if index is None:
         index = tensor_index(state, which)
     targets: list[torch.Tensor] = []
@@ -358,7 +361,7 @@ def receive_targets(
             mine is not None
             and tuple(mine.shape) == meta.shape
             and mine.dtype == meta.dtype
-            and mine.device.type == meta.device_type
+            and (any_device or mine.device.type == meta.device_type)
         )
         if fits:
             assert mine is not None
