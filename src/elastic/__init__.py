@@ -20,6 +20,7 @@ from ._errors import (
 )
 from ._fields import field, local
 from ._process_group import init_process_group
+from ._sampler import ElasticSampler
 from ._spawn import spawn
 from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
 from ._verify import verify
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DivergenceError",
     "ElasticError",
+    "ElasticSampler",
     "LoadReport",
     "SaveHandle",
     "StateMismatchError",
