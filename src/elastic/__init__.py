@@ -20,6 +20,7 @@ from ._errors import (
 )
 from ._fields import field, local
 from ._process_group import init_process_group
+from ._run import World, run
 from ._sampler import ElasticSampler
 from ._spawn import spawn
 from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
@@ -41,6 +42,7 @@ __all__ = [
     "SyncReport",
     "TenureError",
     "UntrustedCheckpointError",
+    "World",
     "WorkerError",
     "broadcast_state",
     "elastic_state",
@@ -49,6 +51,7 @@ __all__ = [
     "load",
     "local",
     "most_tenured_rank",
+    "run",
     "save",
     "spawn",
     "sync",
