@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -291,9 +292,13 @@ B = 2
 EPOCHS = 2
 
 
-def _record(folder: str, **entry: Any) -> None:
-    with open(Path(folder) / f"rank{dist.get_rank()}.jsonl", "a") as f:
+def _record(folder: str, name: str, **entry: Any) -> None:
+    with open(Path(folder) / f"{name}.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def _records(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for f in sorted(folder.iterdir()) if f.suffix == ".jsonl" for line in f.open()]
 
 
 def _phase(phase: str, ckpt: str, folder: str, kill_at: int | None, workers: int) -> dict[str, Any]:
@@ -308,7 +313,14 @@ def _phase(phase: str, ckpt: str, folder: str, kill_at: int | None, workers: int
     while state.sampler.epoch < EPOCHS:
         out["lens"].append(len(loader))
         for idx, pids in loader:
-            _record(folder, phase=phase, epoch=state.sampler.epoch, step=state.step, idx=idx.tolist())
+            _record(
+                folder,
+                f"rank{rank}",
+                phase=phase,
+                epoch=state.sampler.epoch,
+                step=state.step,
+                idx=idx.tolist(),
+            )
             out.setdefault("pids", set()).update(pids.tolist())
             if state.step == kill_at and rank == dist.get_world_size() - 1:
                 os._exit(3)  # killed in flight: the others fail in the all-reduce below
@@ -339,7 +351,7 @@ def test_a_world_of_3_then_2_then_3_across_restarts_uses_every_sample_once(tmp_p
     assert [r["lens"] for r in final] == [[6]] * 3  # every rank the same number of batches
     assert all(os.getpid() not in r["pids"] and len(r["pids"]) == 2 for r in final)  # loader workers
 
-    records = [json.loads(line) for f in sorted(rec.iterdir()) for line in f.read_text().splitlines()]
+    records = _records(rec)
     expected = elastic.ElasticSampler(range(N), batch_size=B, seed=7)
     for epoch, (lost_phase, lost_step) in enumerate([("a", 3), ("b", 11)]):
         expected.set_epoch(epoch)
@@ -353,3 +365,66 @@ def test_a_world_of_3_then_2_then_3_across_restarts_uses_every_sample_once(tmp_p
         done = len({i for r in first for i in r["idx"]})
         assert {i for r in first for i in r["idx"]} == set(order[:done])  # the epoch's order, seed 7
         assert set(in_flight) == set(order[done : done + len(in_flight)])
+
+
+# --- real ranks: in-process recovery with elastic.run ------------------------------------------------------
+
+
+def _in_process(folder: str) -> dict[str, Any]:
+    """A worker of `spawn(restart="worker")`: slot 2 dies in flight at step 3 (a world of 3 becomes 2);
+    its replacement joins once the survivors have trained as a world of 2 (and it becomes 3 again)."""
+    slot, life = int(os.environ["ELASTIC_SLOT"]), int(os.environ["ELASTIC_SLOT_RESTARTS"])
+    marker = Path(folder) / "world-of-2"
+    deadline = time.monotonic() + 60
+    while life and not marker.exists():  # the replacement waits until the world of 2 trains
+        if time.monotonic() > deadline:
+            raise RuntimeError("the survivors never formed a world of 2")
+        time.sleep(0.05)
+    data = Indices(N)
+    state = Progress(elastic.ElasticSampler(data, batch_size=B, seed=7 + slot))  # seeds differ: synced
+
+    def train(state: Progress, world: Any) -> dict[str, Any]:
+        loader = DataLoader(data, batch_size=B, sampler=state.sampler)  # built for this generation
+        steps = 0
+        while state.sampler.epoch < 1:
+            for idx, _ in loader:
+                entry = {"generation": world.generation, "world": world.size, "rank": world.rank}
+                entry.update(slot=slot, step=state.step)
+                _record(folder, f"slot{slot}-{life}", **entry, idx=idx.tolist())
+                if (slot, life, state.step) == (2, 0, 3):
+                    os._exit(3)  # killed in flight: the survivors' all-reduce fails, they regroup
+                dist.all_reduce(torch.ones(1))
+                state.step += 1
+                state.sampler.advance()
+                steps += 1
+                world.check()
+                if world.size == 2 and steps == 2:
+                    marker.touch()
+                    for _ in range(3000):  # idle until the replacement waits to join
+                        world.check()
+                        time.sleep(0.01)
+                    raise RuntimeError("the replacement never joined")
+            state.sampler.set_epoch(state.sampler.epoch + 1)
+        return {"progress": state.sampler.state_dict(), "step": state.step, "generation": world.generation}
+
+    return elastic.run(train, state, timeout=20, join_timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_world_of_3_then_2_then_3_in_process_uses_every_sample_once(tmp_path: Path) -> None:
+    results = elastic.spawn(
+        _in_process, 3, args=(str(tmp_path),), restart="worker", max_restarts=1, timeout=90
+    )
+    records = _records(tmp_path)
+    seed = 7 + next(r["slot"] for r in records if (r["generation"], r["rank"]) == (0, 0))  # gen 0's rank 0
+    # 41 samples: 3 steps of 6, the 4th lost; 2 steps of 4; 2 steps of 6 and a last one of 3
+    assert [r["progress"] for r in results] == [{"seed": seed, "epoch": 1, "consumed": 0}] * 3
+    assert [r["step"] for r in results] == [8] * 3  # the newcomer received the survivors' progress
+    worlds = {r["generation"]: r["world"] for r in records}
+    assert sorted(worlds.items()) == [(0, 3), (1, 2), (2, 3)]
+    counts = Counter(i for r in records for i in r["idx"])
+    in_flight = [i for r in records if (r["generation"], r["step"]) == (0, 3) for i in r["idx"]]
+    assert len(in_flight) == 6
+    assert counts == Counter(range(N)) + Counter(in_flight)  # once each; the lost step twice
+    order = elastic.ElasticSampler(range(N), batch_size=B, seed=seed)._order().tolist()
+    assert set(in_flight) == set(order[18:24])
