@@ -322,8 +322,10 @@ def _phase(phase: str, ckpt: str, folder: str, kill_at: int | None, workers: int
                 idx=idx.tolist(),
             )
             out.setdefault("pids", set()).update(pids.tolist())
-            if state.step == kill_at and rank == dist.get_world_size() - 1:
-                os._exit(3)  # killed in flight: the others fail in the all-reduce below
+            if state.step == kill_at:
+                dist.barrier()  # every rank has recorded its batch of the step in flight
+                if rank == dist.get_world_size() - 1:
+                    os._exit(3)  # killed in flight: the others fail in the all-reduce below
             dist.all_reduce(torch.ones(1))  # the "gradients"
             state.step += 1
             state.sampler.advance()
@@ -421,7 +423,7 @@ def test_a_world_of_3_then_2_then_3_in_process_uses_every_sample_once(tmp_path: 
     assert [r["progress"] for r in results] == [{"seed": seed, "epoch": 1, "consumed": 0}] * 3
     assert [r["step"] for r in results] == [8] * 3  # the newcomer received the survivors' progress
     worlds = {r["generation"]: r["world"] for r in records}
-    assert sorted(worlds.items()) == [(0, 3), (1, 2), (2, 3)]
+    assert [w for _, w in sorted(worlds.items())] == [3, 2, 3]
     counts = Counter(i for r in records for i in r["idx"])
     in_flight = [i for r in records if (r["generation"], r["step"]) == (0, 3) for i in r["idx"]]
     assert len(in_flight) == 6
