@@ -48,6 +48,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -215,24 +216,34 @@ def _new_group(store: Any, membership: Any, backend: str, timeout: timedelta) ->
 
 def _abort_group() -> None:
     """Abort and destroy the default group (gloo: closes its sockets; NCCL: ncclCommAbort first)."""
-    if not dist.is_initialized():
-        return
-    group = dist.group.WORLD
-    with contextlib.suppress(Exception):
-        if group is not None:
-            group.abort()  # NCCL: unblocks kernels waiting for a dead peer; gloo: nothing to abort
-    del group
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-    gc.collect()  # the last references to the gloo context go now: its sockets close
+    _end_group(abort=True)
 
 
 def _destroy_group() -> None:
     """The generation ended by agreement or fn returned: every rank is done with the group."""
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    gc.collect()
+    _end_group(abort=False)
+
+
+def _end_group(*, abort: bool) -> None:
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    ref = None
+    if group is not None:
+        with contextlib.suppress(TypeError):
+            ref = weakref.ref(group)
+        if abort:
+            with contextlib.suppress(Exception):
+                group.abort()  # NCCL: unblocks kernels waiting for a dead peer; gloo: nothing to abort
+    del group
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    # The group's sockets close when its last reference goes, which is now unless something (a DDP
+    # module in a traceback's frame, a cycle) still holds it. A full gc.collect() holds the GIL for
+    # half a second on a busy machine (long enough to miss heartbeats), so it runs only then.
+    if ref is not None and ref() is not None:
+        log.debug("the process group is still referenced after destroy; collecting garbage")
+        gc.collect()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -319,6 +330,15 @@ def _evidence(exc: BaseException, rdzv: Any, gen: _Generation, probe: float) -> 
         if time.monotonic() >= deadline:
             return None
         time.sleep(_POLL)
+
+
+def _announce(rendezvous: Any) -> None:
+    """Tell the rendezvous at once that this member regroups (the next round waits for it a little
+    longer than for a silent one)."""
+    announce = getattr(rendezvous, "announce", None)
+    if announce is not None:
+        with contextlib.suppress(Exception):
+            announce()
 
 
 def _strip(exc: BaseException) -> None:
@@ -530,6 +550,8 @@ def _loop(
             result = fn(state, world)
         except _EndGeneration as end:
             ended_at = time.monotonic()
+            if not end.leaving:
+                _announce(rendezvous)
             _strip(end)
             world.group = None
             _destroy_group()
@@ -547,6 +569,7 @@ def _loop(
                 gen.announce(f"raised {type(exc).__name__}")
                 _abort_group()
                 raise
+            _announce(rendezvous)
             gen.announce("saw the group fail")
             text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             del exc
@@ -560,5 +583,6 @@ def _loop(
                 return None
             continue
         rendezvous.finish()
+        world.group = None
         _destroy_group()
         return result
