@@ -23,6 +23,7 @@ Not a timed test: it prints a table (the README's "Recovery" section).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -98,6 +99,20 @@ class Log:
         self.f.write(f"{time.time():.6f} {self.slot} {self.life} {kind} {step} {size}\n")
 
 
+@contextlib.contextmanager
+def quiet(root: str) -> Any:
+    """The workers' output goes to a file (torchft logs every quorum); set BENCH_VERBOSE=1 to see it."""
+    if os.environ.get("BENCH_VERBOSE"):
+        yield
+        return
+    with (
+        open(Path(root) / "output.log", "w") as f,
+        contextlib.redirect_stdout(f),
+        contextlib.redirect_stderr(f),
+    ):
+        yield
+
+
 def read_events(root: str) -> list[tuple[float, int, int, str, int, int]]:
     out = []
     for path in Path(root).glob("events-*.txt"):
@@ -153,14 +168,15 @@ def elastic_worker(root: str, kill_steps: list[int]) -> Any:
 def bench_elastic(kill_steps: list[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         started = time.monotonic()
-        elastic.spawn(
-            elastic_worker,
-            3,
-            args=(root, kill_steps),
-            restart="worker",
-            max_restarts=len(kill_steps),
-            timeout=900,
-        )
+        with quiet(root):
+            elastic.spawn(
+                elastic_worker,
+                3,
+                args=(root, kill_steps),
+                restart="worker",
+                max_restarts=len(kill_steps),
+                timeout=900,
+            )
         wall = time.monotonic() - started
         ev = read_events(root)
     recoveries, redone, admissions = [], [], []
@@ -287,10 +303,12 @@ def torchft_worker(root: str, kill_steps: list[int], lighthouse: str) -> int:
     log("join", 0)
     end = kill_steps[-1] + AFTER
     seen_gen = None
-    while manager.current_step() < end:
+    while True:
         step = manager.current_step()
         optimizer.zero_grad()  # starts the quorum
         n = manager.num_participants()
+        if step >= end and n == 3 and extra["kills"] == len(kill_steps):
+            break  # the same decision on every replica: same step, same quorum
         if seen_gen != n:
             log("gen", step, n)
             seen_gen = n
@@ -320,14 +338,15 @@ def bench_torchft(kill_steps: list[int], tuned: bool) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as root:
             started = time.monotonic()
-            elastic.spawn(
-                torchft_worker,
-                3,
-                args=(root, kill_steps, server.address()),
-                restart="worker",
-                max_restarts=len(kill_steps),
-                timeout=1800,
-            )
+            with quiet(root):
+                elastic.spawn(
+                    torchft_worker,
+                    3,
+                    args=(root, kill_steps, server.address()),
+                    restart="worker",
+                    max_restarts=len(kill_steps),
+                    timeout=1800,
+                )
             wall = time.monotonic() - started
             ev = read_events(root)
     finally:

@@ -528,3 +528,109 @@ def test_bad_arguments() -> None:
         elastic.run(lambda s, w: None, object(), rdzv="127.0.0.1:1")
     with pytest.raises(ValueError, match="restart"):
         elastic.spawn(lambda: None, 2, restart="machine")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Many machines on one host: one store, one torchrun per "machine"
+
+MACHINE_SCRIPT = """
+import json, os, signal, sys, time
+import attrs, torch, torch.distributed as dist
+import elastic
+
+
+@elastic.elastic_state(tenure=lambda s: s.step)
+@attrs.define
+class Toy:
+    w: torch.Tensor
+    step: int = 0
+
+
+machine, local = os.environ["MACHINE"], int(os.environ["LOCAL_RANK"])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+gens = []
+
+
+def train(s, world):
+    gens.append((world.generation, world.size, s.step))
+    while not (s.step >= 40 and world.size == 3):
+        if s.step > 3000:
+            raise AssertionError("never finished")
+        world.check()
+        if machine == "B" and local == 1 and restart == 0 and s.step >= 15 and world.size == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.full((4,), float(s.step + 1))
+        dist.all_reduce(g)
+        s.w.add_(g / world.size)
+        s.step += 1
+        time.sleep(0.01)
+    elastic.verify(s)
+    return s.step, s.w.tolist()
+
+
+result = elastic.run(train, Toy(torch.zeros(4)), timeout=20)
+with open(os.path.join(sys.argv[1], f"{machine}-{local}-{restart}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "gens": gens, "result": result}, f)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.torchrun
+def test_two_torchruns_share_one_store_and_only_the_failed_machine_restarts(tmp_path: Path) -> None:
+    import json
+    import re
+
+    script = tmp_path / "train.py"
+    script.write_text(MACHINE_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    store_log = (tmp_path / "store.log").open("w")
+    store = subprocess.Popen(
+        [sys.executable, "-m", "elastic.store", "--host", "127.0.0.1", "--port", "0"],
+        stdout=store_log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None and time.monotonic() < deadline:
+            found = re.search(r"127\.0\.0\.1:(\d+)", (tmp_path / "store.log").read_text())
+            port = int(found.group(1)) if found else None
+            time.sleep(0.1)
+        assert port is not None, (tmp_path / "store.log").read_text()
+        for machine, nproc in (("A", 1), ("B", 2)):
+            log = (tmp_path / f"torchrun-{machine}.log").open("w")
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--max-restarts=1", "--monitor-interval=0.1", str(script), str(out),
+            ]  # fmt: skip
+            run_env = dict(env, MACHINE=machine, ELASTIC_RDZV=f"127.0.0.1:{port}")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env))
+        for p in procs:
+            p.wait(timeout=100)
+        logs = {m: (tmp_path / f"torchrun-{m}.log").read_text() for m in "AB"}
+        assert [p.returncode for p in procs] == [0, 0], logs
+    finally:
+        for p in [*procs, store]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        store_log.close()
+    files = sorted(p.name for p in out.iterdir())
+    # machine A: one life, never restarted; machine B: the killed worker's torchrun restarted both of its
+    # workers (torchrun restarts a machine's whole worker group): the survivor left on SIGTERM (None)
+    assert files == ["A-0-0.json", "B-0-0.json", "B-0-1.json", "B-1-1.json"], files
+    rec = {name[:-5]: json.loads((out / name).read_text()) for name in files}
+    assert rec["B-0-0"]["result"] is None
+    finals = {tuple(map(tuple, [r["result"][1]])) for k, r in rec.items() if k != "B-0-0"}
+    assert len(finals) == 1
+    steps = {r["result"][0] for k, r in rec.items() if k != "B-0-0"}
+    (n,) = steps
+    assert rec["A-0-0"]["result"][1] == [expected_w(n)] * 4
+    assert rec["A-0-0"]["gens"][0][2] == 0 and len(rec["A-0-0"]["gens"]) >= 3  # 3 -> smaller -> 3 workers
+    for k in ("B-0-1", "B-1-1"):
+        assert rec[k]["gens"][0][2] >= 15  # the restarted workers received the state
