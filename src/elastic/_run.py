@@ -348,6 +348,53 @@ def _strip(exc: BaseException) -> None:
             traceback.clear_frames(e.__traceback__)
 
 
+class _NcclWatch(threading.Thread):
+    """NCCL only (untested here, no GPU): abort the group from the side when a peer is gone.
+
+    A NCCL collective waiting for a dead or hung peer blocks in a CUDA kernel, where neither the gloo-style
+    error of a closed socket nor a timeout of ours reaches it (NCCL's own watchdog fires after the group's
+    timeout, which `_new_group` sets to twice ours so that this thread acts first). While a generation
+    runs, this thread polls the rendezvous every 0.1 s and, as soon as a member's heartbeat stopped or a
+    member announced the end of the generation, aborts the group (``ncclCommAbort`` on every
+    communicator): the blocked collective then raises in the main thread, where `_evidence` finds the
+    same evidence and `run` regroups.
+    """
+
+    PERIOD = 0.1
+
+    def __init__(self, rdzv: Any, gen: _Generation, group: Any) -> None:
+        super().__init__(daemon=True, name=f"elastic-nccl-watch-{gen.membership.generation}")
+        self._rdzv = rdzv
+        self._gen = gen
+        self._group = group
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        members = self._gen.membership.members
+        me = self._gen.membership.rank
+        while not self._stop.wait(self.PERIOD):
+            try:
+                alive = self._rdzv.alive()
+                gone = [r for r, m in enumerate(members) if m not in alive and r != me]
+                if gone or self._gen.announced():
+                    log.warning(
+                        "generation %d: aborting the NCCL group (a peer is gone)",
+                        self._gen.membership.generation,
+                    )
+                    self._group.abort()
+                    return
+            except Exception as exc:  # the watch must never kill the worker
+                log.debug("nccl watch: %s", exc)
+
+    @staticmethod
+    def stop(watch: _NcclWatch | None) -> None:
+        if watch is not None:
+            watch._stop.set()
+            if watch.is_alive():
+                watch.join(timeout=5)
+            watch._group = None
+
+
 # --------------------------------------------------------------------------------------------------------
 # SIGTERM: a planned departure
 
@@ -533,8 +580,11 @@ def _loop(
             leave_requested=departure.requested.is_set,
             timeout=td,
         )
+        watch = _NcclWatch(rendezvous, gen, group) if backend == "nccl" else None
         del group
         try:
+            if watch is not None:
+                watch.start()
             rendezvous.progress()
             src, tenure = _start(state, ckpt, td)
             rendezvous.progress()
@@ -550,6 +600,7 @@ def _loop(
             result = fn(state, world)
         except _EndGeneration as end:
             ended_at = time.monotonic()
+            _NcclWatch.stop(watch)
             if not end.leaving:
                 _announce(rendezvous)
             _strip(end)
@@ -562,6 +613,7 @@ def _loop(
             continue
         except BaseException as exc:
             ended_at = time.monotonic()
+            _NcclWatch.stop(watch)
             _strip(exc)
             world.group = None
             why = _evidence(exc, rendezvous, gen, probe) if isinstance(exc, Exception) else None
@@ -582,6 +634,7 @@ def _loop(
                 log.info("generation %d: SIGTERM received; not rejoining", membership.generation)
                 return None
             continue
+        _NcclWatch.stop(watch)
         rendezvous.finish()
         world.group = None
         _destroy_group()
