@@ -26,12 +26,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 import elastic
 
 log = logging.getLogger("recover")
 
-IN, OUT, BATCH = 16, 4, 32
+IN, OUT, BATCH, DATA = 16, 4, 32, 2**20
 
 
 @elastic.elastic_state(tenure=lambda s: s.step)
@@ -46,13 +47,13 @@ class TrainState:
 
 def make_state() -> TrainState:
     model = torch.nn.Sequential(torch.nn.Linear(IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, OUT))
-    return TrainState(model, torch.optim.Adam(model.parameters(), lr=5e-3))
+    sampler = elastic.ElasticSampler(range(DATA), batch_size=BATCH)  # every sample once, whatever the world
+    return TrainState(model, torch.optim.Adam(model.parameters(), lr=5e-3), sampler=sampler)
 
 
-def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of step `step`'s data: a fixed random linear map, generated from a seed."""
-    g = torch.Generator().manual_seed(1000 * step + rank * 7919 + size)
-    x = torch.randn(BATCH, IN, generator=g)
+def batch(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples `indices` of a synthetic dataset: inputs generated from their index, a fixed linear map."""
+    x = torch.stack([torch.randn(IN, generator=torch.Generator().manual_seed(i)) for i in indices])
     target = torch.Generator().manual_seed(0)
     w = torch.randn(IN, OUT, generator=target)
     return x, x @ w
@@ -79,6 +80,7 @@ def train(state: TrainState, world: elastic.World, steps: int, kill_at: int) -> 
         fingerprint(state.model),
     )
     ddp = DistributedDataParallel(state.model)  # bound to this generation's group: built in fn
+    data = iter(DataLoader(range(DATA), batch_size=BATCH, sampler=state.sampler))  # this world's share
     # Train to `steps`, and then on until the replacement is back and 10 steps were done with it. `ran` is
     # the same on every rank: all members start a generation together.
     ran = 0
@@ -88,11 +90,12 @@ def train(state: TrainState, world: elastic.World, steps: int, kill_at: int) -> 
             log.info("step %d: killing this worker (SIGKILL)", state.step)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(state.step, world.rank, world.size)
+        x, y = batch(next(data).tolist())
         loss = F.mse_loss(ddp(x), y)
         state.optimizer.zero_grad()
         loss.backward()  # DDP's all-reduce: where the survivors notice the kill
         state.optimizer.step()
+        state.sampler.advance()  # the step's samples are consumed
         state.step += 1
         ran += 1
         mean = loss.detach().clone()
