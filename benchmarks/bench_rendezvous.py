@@ -24,6 +24,10 @@ TIMEOUT = timedelta(seconds=10)
 
 
 def _worker(port: int, name: str, failed: Any, out: Any) -> None:
+    import logging
+
+    if os.environ.get("BENCH_DEBUG"):
+        logging.basicConfig(level=logging.DEBUG, format=f"%(created).3f {name} %(message)s")
     from elastic._rendezvous import Rendezvous
     from elastic._store import connect
 

@@ -1,18 +1,19 @@
 """The round protocol of `elastic.run`: who is in the next generation, decided once, over a TCPStore.
 
 The protocol is written down, with its properties and their argument, in docs/rendezvous.md; a model of
-it is docs/rendezvous.pml and tests/test_rendezvous.py drives `step` (the protocol's whole decision
+it is docs/rendezvous.pml, and tests/test_rendezvous.py drives `step` (the protocol's whole decision
 logic, one store operation per call) through every interleaving of a few participants.
 
 Keys, under ``elastic/<run_id>/`` in the store:
 
 - ``hb/<p>``: participant p's heartbeat counter, incremented every `period` by a thread of p while p
   made progress within `timeout` (a hung process stops beating, a dead one too).
-- ``r/<n>/ev``: the events of round n, appended: ``+p,`` (p joins round n), ``-p,`` (p leaves).
-- ``r/<n>/dec``: the decision of round n, the members of generation n in rank order, written once by
-  ``compare_set`` (the first proposal wins, every participant reads the same).
-- ``next``: a hint, the lowest round that may be undecided (participants scan up from it).
-- ``finished``: the generation whose function returned; later joiners get None.
+- ``r/<n>``: the log of round n, appended to and never rewritten: ``+p,`` (p joins round n), ``~p,``
+  (p, a member of generation n-1, announced it is on its way), ``-p,`` (p leaves for good), ``=a|b|c,``
+  (a proposal: members in rank order), ``!,`` (the run finished). The FIRST proposal in the log is the
+  decision of round n, generation n: the store orders appends, so every reader sees the same one.
+- ``next``: a hint, a round such that every lower round is decided (participants scan up from it).
+- ``finished``: set when a generation's function returned; later joiners get None.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from ._errors import ElasticError
 
 __all__ = [
     "Joiner",
+    "Log",
     "Membership",
     "Rendezvous",
     "decide",
-    "parse_events",
+    "parse_log",
     "pending_from",
     "start",
     "step",
@@ -48,12 +50,8 @@ FINISHED = "finished"
 NEXT = "next"
 
 
-def ev_key(n: int) -> str:
-    return f"r/{n}/ev"
-
-
-def dec_key(n: int) -> str:
-    return f"r/{n}/dec"
+def log_key(n: int) -> str:
+    return f"r/{n}"
 
 
 def hb_key(p: str) -> str:
@@ -64,11 +62,15 @@ class Ops(Protocol):
     """The store operations the protocol uses (a torch Store has them; tests use an in-memory one)."""
 
     def check(self, keys: list[str]) -> bool: ...
-    def get(self, key: str) -> bytes: ...
     def set(self, key: str, value: str) -> None: ...
     def add(self, key: str, value: int) -> int: ...
     def append(self, key: str, value: str) -> None: ...
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
+
+
+def read(store: Ops, key: str) -> bytes:
+    """The value of `key`, created empty when missing: one operation that never blocks."""
+    return store.compare_set(key, "", "")
 
 
 @attrs.frozen
@@ -82,78 +84,107 @@ class Membership:
     prefix: str
 
 
-def parse_events(raw: bytes) -> tuple[tuple[str, ...], frozenset[str]]:
-    """(participants that joined, in order of first join; participants that left) of a round's events."""
+@attrs.frozen
+class Log:
+    """A round's log: who joined (in order of first join), who announced or left, the decision (the
+    first proposal; None: undecided), and whether the run finished."""
+
+    joined: tuple[str, ...] = ()
+    announced: frozenset[str] = frozenset()
+    left: frozenset[str] = frozenset()
+    decision: tuple[str, ...] | None = None
+    finished: bool = False
+
+
+def parse_log(raw: bytes) -> Log:
+    """The `Log` of a round from its ``+p,`` ``~p,`` ``-p,`` ``=a|b,`` ``!,`` tokens."""
     joined: dict[str, None] = {}
+    announced: set[str] = set()
     left: set[str] = set()
+    decision: tuple[str, ...] | None = None
+    finished = False
     for token in raw.decode().split(","):
-        if token.startswith("+"):
-            joined.setdefault(token[1:], None)
-        elif token.startswith("-"):
-            left.add(token[1:])
-    return tuple(p for p in joined if p not in left), frozenset(left)
+        kind, name = token[:1], token[1:]
+        if kind == "+":
+            joined.setdefault(name, None)
+        elif kind == "~":
+            announced.add(name)
+        elif kind == "-":
+            left.add(name)
+        elif kind == "=" and decision is None:
+            decision = tuple(name.split("|"))
+        elif kind == "!":
+            finished = True
+    return Log(
+        joined=tuple(p for p in joined if p not in left),
+        announced=frozenset(announced),
+        left=frozenset(left),
+        decision=decision,
+        finished=finished,
+    )
 
 
 def decide(
     prev: tuple[str, ...],
-    joined: tuple[str, ...],
-    left: frozenset[str],
-    alive: Callable[[str], bool],
+    events: Log,
     *,
+    alive: Callable[[str], bool],
+    ready: Callable[[str], bool],
     min_workers: int,
     max_workers: int,
     quiet: bool,
 ) -> tuple[str, ...] | None:
     """The membership to propose for a round, or None to wait.
 
-    `prev` are the members of the previous generation, `joined` and `left` the round's events so far,
-    `alive(p)` this proposer's view of p's heartbeat, `quiet` whether the round's events have not changed
-    for a last call. Members: the joined participants still alive, previous members first (in their
-    previous rank order) then newcomers in join order, at most `max_workers`. The round closes as soon
-    as every live previous member has joined (no wait for the dead); a round no previous member has
-    joined (the first, or after every member died) closes after a quiet last call, so that workers
-    starting together form one generation.
+    `prev` are the members of the previous generation, `events` the round's log so far; in this
+    proposer's view of the heartbeats, `alive(p)`: p may still come (its heartbeat is fresh), `ready(p)`:
+    p may be a member (fresh and seen beating); `quiet`: the log has not changed for a last call.
+
+    Members: the joined participants that are ready, previous members first (in their previous rank
+    order) then newcomers in join order, at most `max_workers`. The round closes as soon as every live
+    previous member has joined and every live joiner is ready (no wait for the dead); a round no
+    previous member has joined (the first, or after every member died) closes after a quiet last call,
+    so that workers starting together form one generation.
     """
-    candidates = [p for p in joined if p not in left and alive(p)]
+    candidates = [p for p in events.joined if ready(p)]
     ordered = [p for p in prev if p in candidates] + [p for p in candidates if p not in prev]
+    missing = [p for p in prev if p not in events.left and p not in candidates and alive(p)]
+    if missing and sum(p in prev for p in ordered) < max_workers:
+        return None
+    unsure = [p for p in events.joined if not ready(p) and alive(p)]
+    if unsure and len(ordered) < max_workers:
+        return None
     if len(ordered) >= max_workers:
         return tuple(ordered[:max_workers])
     if len(ordered) < min_workers:
-        return None
-    if any(p not in left and p not in candidates and alive(p) for p in prev):
         return None
     if not any(p in prev for p in ordered) and not quiet:
         return None
     return tuple(ordered)
 
 
-def pending_from(
-    decided_next: bool, events: bytes | None, members: tuple[str, ...], max_workers: int
-) -> bool:
-    """Should generation `members` end at its next check, seen from the next round's state?
+def pending_from(raw: bytes, members: tuple[str, ...], max_workers: int) -> bool:
+    """Should generation `members` end at its next check, seen from the next round's log `raw`?
 
-    Yes when the next round is decided (this generation is stale), when a member left or went on to the
-    next round, or when a newcomer waits and the generation has room for it.
+    Yes when the next round is decided (this generation is stale) or the run finished, when a member
+    left, announced or went on to the next round, or when a newcomer waits and the generation has room.
     """
-    if decided_next:
+    ev = parse_log(raw)
+    if ev.decision is not None or ev.finished:
         return True
-    if events is None:
-        return False
-    joined, left = parse_events(events)
-    if any(p in left for p in members) or any(p in members for p in joined):
+    if any(p in ev.left or p in ev.announced or p in ev.joined for p in members):
         return True
-    return bool(joined) and len(members) < max_workers
+    return bool(ev.joined) and len(members) < max_workers
 
 
 @attrs.frozen
 class Joiner:
     """A participant's progress through `join`: the protocol as a state machine, one store op per step.
 
-    phase: ``fin`` (is the run finished?), ``hint`` (read the lowest undecided round), ``scan`` (skip
-    decided rounds), ``append`` (announce itself in the round), ``prev`` (read the previous generation),
-    ``wait`` (is the round decided?), ``events`` (read the round's events and maybe propose), ``cas``
-    (the one atomic decision), ``read`` (read the decision), ``sethint`` (the winner advances ``next``),
-    ``done``.
+    phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (read the round's log;
+    skip it when decided), ``append`` (``+me``), ``prev`` (read the previous round's decision), ``poll``
+    (read the log: decided? finished? else maybe propose), ``propose`` (append the proposal), ``hinted``
+    (rank 0 of the decision advances ``next``), ``done``.
     """
 
     me: str
@@ -170,26 +201,23 @@ def start(me: str, generation: int) -> Joiner:
     return Joiner(me=me, phase="fin", round=generation + 1)
 
 
-def _members(raw: bytes) -> tuple[str, ...]:
-    text = raw.decode()
-    return tuple(text.split(",")) if text else ()
+Propose = Callable[[int, tuple[str, ...], Log], "tuple[str, ...] | None"]
 
 
-def _after_decision(j: Joiner, members: tuple[str, ...]) -> Joiner:
-    if j.me in members:
-        return attrs.evolve(j, phase="done", decision=members)
-    # A straggler: this round formed without it; it is a newcomer of the next one.
-    return attrs.evolve(j, phase="fin", round=j.round + 1, prev=(), proposal=(), decision=())
-
-
-Propose = Callable[[int, tuple[str, ...], tuple[str, ...], frozenset[str]], "tuple[str, ...] | None"]
+def _decided(j: Joiner, members: tuple[str, ...]) -> Joiner:
+    if j.me not in members:
+        # A straggler: this round formed without it; it is a newcomer of the next one.
+        return Joiner(me=j.me, phase="fin", round=j.round + 1)
+    if members[0] == j.me:
+        return attrs.evolve(j, phase="hinted", decision=members, proposal=())
+    return attrs.evolve(j, phase="done", decision=members, proposal=())
 
 
 def step(j: Joiner, store: Ops, propose: Propose) -> Joiner:
-    """One store operation of participant `j`'s join; `propose(round, prev, joined, left)` judges.
+    """One store operation of participant `j`'s join; `propose(round, prev, log)` judges.
 
-    The result's phase is ``done`` with `decision` (the generation `round`'s members, `me` among them)
-    or `finished` set; otherwise call again (after a short sleep when the phase is ``wait``).
+    The result's phase is ``done`` with `decision` (generation `round`'s members, `me` among them) or
+    `finished` set; otherwise call again (after a short sleep when the phase is ``poll`` again).
     """
     if j.phase == "fin":
         if store.check([FINISHED]):
@@ -198,34 +226,31 @@ def step(j: Joiner, store: Ops, propose: Propose) -> Joiner:
     if j.phase == "hint":
         return attrs.evolve(j, phase="scan", round=max(j.round, store.add(NEXT, 0)))
     if j.phase == "scan":
-        if store.check([dec_key(j.round)]):
+        if parse_log(read(store, log_key(j.round))).decision is not None:
             return attrs.evolve(j, round=j.round + 1)
         return attrs.evolve(j, phase="append")
     if j.phase == "append":
-        store.append(ev_key(j.round), f"+{j.me},")
-        return attrs.evolve(j, phase="prev" if j.round > 0 else "wait")
+        store.append(log_key(j.round), f"+{j.me},")
+        return attrs.evolve(j, phase="prev" if j.round > 0 else "poll")
     if j.phase == "prev":
-        return attrs.evolve(j, phase="wait", prev=_members(store.get(dec_key(j.round - 1))))
-    if j.phase == "wait":
-        if store.check([dec_key(j.round)]):
-            return attrs.evolve(j, phase="read")
-        return attrs.evolve(j, phase="events")
-    if j.phase == "read":
-        return _after_decision(j, _members(store.get(dec_key(j.round))))
-    if j.phase == "events":
-        joined, left = parse_events(store.get(ev_key(j.round)))
-        proposal = propose(j.round, j.prev, joined, left)
+        prev = parse_log(read(store, log_key(j.round - 1))).decision
+        return attrs.evolve(j, phase="poll", prev=prev or ())
+    if j.phase == "poll":
+        events = parse_log(read(store, log_key(j.round)))
+        if events.decision is not None:
+            return _decided(j, events.decision)
+        if events.finished:
+            return attrs.evolve(j, phase="done", finished=True)
+        proposal = propose(j.round, j.prev, events)
         if proposal is None:
-            return attrs.evolve(j, phase="wait")
-        return attrs.evolve(j, phase="cas", proposal=proposal)
-    if j.phase == "cas":
-        winner = _members(store.compare_set(dec_key(j.round), "", ",".join(j.proposal)))
-        if winner == j.proposal:
-            return attrs.evolve(j, phase="sethint", decision=winner)
-        return _after_decision(j, winner)
-    if j.phase == "sethint":
+            return j
+        return attrs.evolve(j, phase="propose", proposal=proposal)
+    if j.phase == "propose":
+        store.append(log_key(j.round), "=" + "|".join(j.proposal) + ",")
+        return attrs.evolve(j, phase="poll", proposal=())
+    if j.phase == "hinted":
         store.set(NEXT, str(j.round + 1))
-        return _after_decision(j, j.decision)
+        return attrs.evolve(j, phase="done")
     msg = f"elastic: rendezvous step in phase {j.phase!r}, which has no next step (a bug in elastic)"
     raise ValueError(msg)
 
@@ -244,10 +269,19 @@ class _View:
     """What a joiner saw of its round, for the last call and for error messages."""
 
     round: int = -1
-    events: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
+    events: Log = Log()
     changed: float = 0.0
     prev: tuple[str, ...] = ()
     alive: tuple[str, ...] = ()
+
+
+@attrs.define
+class _Seen:
+    """One participant's heartbeat counter as this participant observed it."""
+
+    counter: int
+    changed: float  # when this participant first saw the counter at its value (monotonic)
+    confirmed: bool  # seen changing at least once: beating now, not just a key left behind
 
 
 class Rendezvous:
@@ -256,8 +290,10 @@ class Rendezvous:
     `timeout`: a participant that made no `progress()` for that long stops heartbeating (counts as hung),
     and the store unreachable for that long is an error. Heartbeats every `period` (default: `timeout`/50
     within 0.05..0.1 s); a participant whose counter did not change for `expiry` (default 6 periods) is
-    dead to the others. `last_call` (default 1 s): how long a round that no previous member joined waits
-    for more joiners once `min_workers` are there.
+    dead to the others, but one that `announce()`d it is on its way to the next round is waited for
+    `grace` (default 5 expiries: its abort and garbage collection may hold the GIL for a while).
+    `last_call` (default 1 s): how long a round that no previous member joined waits for more joiners
+    once `min_workers` are there (closes at once with `max_workers`).
     """
 
     def __init__(
@@ -273,12 +309,13 @@ class Rendezvous:
         address: str = "",
         period: timedelta | None = None,
         expiry: timedelta | None = None,
+        grace: timedelta | None = None,
         last_call: timedelta | None = None,
     ) -> None:
-        if not participant or any(c in participant for c in ",/") or participant[0] in "+-":
+        if not participant or any(c in participant for c in ",/") or participant[0] in "+-~":
             msg = (
                 f"elastic: participant id {participant!r} must be non-empty, contain no ',' or '/' and not "
-                f"start with '+' or '-'; use for instance 'host-pid'"
+                f"start with '+', '-' or '~'; use for instance 'host-pid'"
             )
             raise ElasticError(msg)
         if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
@@ -296,12 +333,13 @@ class Rendezvous:
         self.address = address
         self.period = _seconds(period) if period is not None else min(0.1, max(0.05, self.timeout / 50))
         self.expiry = _seconds(expiry) if expiry is not None else 6 * self.period
+        self.grace = _seconds(grace) if grace is not None else 5 * self.expiry
         self.last_call = _seconds(last_call) if last_call is not None else 1.0
         self._base = store
         self._store = dist.PrefixStore(f"elastic/{run_id}/", store)
         self._beat_store: dist.Store | None = None
         self._lock = threading.Lock()
-        self._seen: dict[str, tuple[int, float]] = {}  # participant -> (counter, when it last changed)
+        self._seen: dict[str, _Seen] = {}
         self._last_progress = time.monotonic()
         self._generation = -1
         self._members: tuple[str, ...] = ()
@@ -330,27 +368,29 @@ class Rendezvous:
         if self._left or self._closed:
             state = "left" if self._left else "closed"
             msg = (
-                f"elastic: participant {self.participant!r} has {state} the rendezvous and cannot join again"
+                f"elastic: participant {self.participant!r} has {state} the rendezvous and cannot join "
+                f"again; start a new participant"
             )
             raise ElasticError(msg)
         began = time.monotonic()
         deadline = began + self.join_timeout
         self.progress()
-        self._pending = False
         self._retry(lambda: self._store.add(hb_key(self.participant), 1))
         self._start_thread()
         j = start(self.participant, self._generation)
         joined_at = -1
         view = _View()
         propose = self._proposer(view)
+        ops = cast(Ops, self._store)
         while True:
             self.progress()
-            j = self._retry(functools.partial(step, j, cast(Ops, self._store), propose))
+            before = j
+            j = self._retry(functools.partial(step, j, ops, propose))
             if j.phase == "done":
                 break
-            if j.phase == "append":
+            if before.phase == "append":
                 joined_at = j.round
-            if j.phase == "wait":
+            if j.phase == "poll" and j == before:
                 if time.monotonic() > deadline:
                     raise self._join_timeout_error(j, view)
                 time.sleep(min(0.02, self.period / 2))
@@ -379,9 +419,20 @@ class Rendezvous:
             prefix=f"elastic/{self.run_id}/pg/{j.round}/",
         )
 
+    def announce(self) -> None:
+        """This member's generation is over for it and it will join the next round: tell the others now.
+
+        Call it as soon as a collective failed, before the slow abort and destroy of the group (whose
+        garbage collection can hold the GIL, and so the heartbeat, for half a second): the next round
+        then waits for this member up to `grace` instead of `expiry`, and every member's `pending()`
+        turns True. One store write; fails soft.
+        """
+        self._write(f"~{self.participant},", "announce its regroup")
+
     def pending(self) -> bool:
-        """Someone waits to join, a member left, or a newer generation formed: end this generation at the
-        next check. Reads no store: the heartbeat thread refreshes it every `period`."""
+        """Someone waits to join, a member left or announced a regroup, or a newer generation formed: end
+        this generation at the next check. Reads no store: the heartbeat thread refreshes it every
+        `period`."""
         return self._pending
 
     def alive(self) -> set[str]:
@@ -392,7 +443,7 @@ class Rendezvous:
         with contextlib.suppress(*_STORE_ERRORS):
             self._observe(self._store, others)
         now = time.monotonic()
-        fresh = {p for p in others if self._fresh(p, now)}
+        fresh = {p for p in others if self._fresh(p, now, self.expiry)}
         if self.participant in members and now - self._last_progress < self.timeout:
             fresh.add(self.participant)
         return fresh
@@ -400,23 +451,14 @@ class Rendezvous:
     def leave(self) -> None:
         """A planned departure: the others end the generation at their next check and go on without it."""
         self._left = True
-        if self._generation < 0:
-            return
-        try:
-            cast(Ops, self._store).append(ev_key(self._generation + 1), f"-{self.participant},")
-        except _STORE_ERRORS as exc:
-            log.warning(
-                "rendezvous: %s could not announce its departure to the store at %s (%s); the others "
-                "will see its heartbeat stop",
-                self.participant,
-                self.address or "?",
-                exc,
-            )
+        self._write(f"-{self.participant},", "announce its departure")
 
     def finish(self) -> None:
-        """The function returned in the current generation: the run is finished for every later joiner."""
+        """The function returned in the current generation: the run is finished, every later join (and any
+        join waiting in the next round) returns None. Fails soft."""
         try:
             self._store.set(FINISHED, str(self._generation))
+            cast(Ops, self._store).append(log_key(self._generation + 1), "!,")
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not mark the run finished in the store at %s (%s)",
@@ -435,9 +477,25 @@ class Rendezvous:
 
     # ---------------------------------------------------------------------------------------- private
 
-    def _fresh(self, p: str, now: float) -> bool:
+    def _write(self, event: str, what: str) -> None:
+        """Append `event` to the next round's log (this participant's generation is over for it)."""
+        if self._generation < 0:
+            return
+        try:
+            cast(Ops, self._store).append(log_key(self._generation + 1), event)
+        except _STORE_ERRORS as exc:
+            log.warning(
+                "rendezvous: %s could not %s to the store at %s (%s); the others will see its heartbeat stop",
+                self.participant,
+                what,
+                self.address or "?",
+                exc,
+            )
+
+    def _fresh(self, p: str, now: float, within: float) -> bool:
+        """p's counter changed within `within` seconds (a participant never seen yet counts as fresh)."""
         seen = self._seen.get(p)
-        return seen is None or now - seen[1] <= self.expiry
+        return seen is None or now - seen.changed <= within
 
     def _observe(self, store: dist.Store, names: Iterable[str]) -> None:
         """Read the heartbeat counters of `names` and note when each last changed."""
@@ -450,28 +508,34 @@ class Rendezvous:
             for p, raw in zip(names, values):
                 counter = int(raw.decode() or 0)
                 seen = self._seen.get(p)
-                if seen is None or seen[0] != counter:
-                    self._seen[p] = (counter, now)
+                if seen is None:
+                    self._seen[p] = _Seen(counter, now, confirmed=False)
+                elif seen.counter != counter:
+                    self._seen[p] = _Seen(counter, now, confirmed=True)
 
     def _proposer(self, view: _View) -> Propose:
-        def propose(
-            n: int, prev: tuple[str, ...], joined: tuple[str, ...], left: frozenset[str]
-        ) -> tuple[str, ...] | None:
-            if view.round != n or view.events != (joined, left):
-                view.round, view.events, view.changed = n, (joined, left), time.monotonic()
-            self._observe(self._store, {p for p in (*prev, *joined) if p != self.participant})
+        def propose(n: int, prev: tuple[str, ...], events: Log) -> tuple[str, ...] | None:
+            if view.round != n or view.events != events:
+                view.round, view.events, view.changed = n, events, time.monotonic()
+            others = {p for p in (*prev, *events.joined) if p != self.participant}
+            self._observe(self._store, others)
             now = time.monotonic()
 
             def alive(p: str) -> bool:
-                return p == self.participant or self._fresh(p, now)
+                within = self.grace if p in events.announced else self.expiry
+                return p == self.participant or self._fresh(p, now, within)
+
+            def ready(p: str) -> bool:
+                seen = self._seen.get(p)
+                return p == self.participant or (seen is not None and seen.confirmed and alive(p))
 
             view.prev = prev
-            view.alive = tuple(p for p in dict.fromkeys((*prev, *joined)) if alive(p))
+            view.alive = tuple(p for p in dict.fromkeys((*prev, *events.joined)) if alive(p))
             return decide(
                 prev,
-                joined,
-                left,
-                alive,
+                events,
+                alive=alive,
+                ready=ready,
                 min_workers=self.min_workers,
                 max_workers=self.max_workers,
                 quiet=now - view.changed >= self.last_call,
@@ -485,7 +549,7 @@ class Rendezvous:
             limits += f", max_workers={self.max_workers}"
         msg = (
             f"elastic: participant {self.participant!r}: no generation formed within "
-            f"join_timeout={self.join_timeout:g} s: round {j.round} has joined {list(view.events[0])}, "
+            f"join_timeout={self.join_timeout:g} s: round {j.round} has joined {list(view.events.joined)}, "
             f"alive {list(view.alive)}, previous members {list(view.prev)} ({limits}); start more "
             f"workers, lower min_workers, or raise join_timeout"
         )
@@ -514,8 +578,9 @@ class Rendezvous:
             return
         if self._beat_store is None:
             try:
-                self._beat_store = dist.PrefixStore(f"elastic/{self.run_id}/", self._base.clone())  # type: ignore[attr-defined]
-            except _STORE_ERRORS:
+                clone = self._base.clone()  # type: ignore[attr-defined]
+                self._beat_store = dist.PrefixStore(f"elastic/{self.run_id}/", clone)
+            except (*_STORE_ERRORS, AttributeError):
                 self._beat_store = self._store
         self._stop.clear()
         self._thread = threading.Thread(
@@ -550,9 +615,8 @@ class Rendezvous:
         if generation < 0:
             return
         self._observe(store, [p for p in members if p != self.participant])
-        decided = store.check([dec_key(generation + 1)])
-        events = store.get(ev_key(generation + 1)) if store.check([ev_key(generation + 1)]) else None
-        pending = pending_from(decided, events, members, self.max_workers)
+        raw = read(cast(Ops, store), log_key(generation + 1))
+        pending = pending_from(raw, members, self.max_workers)
         with self._lock:
             if self._generation == generation:
                 self._pending = pending
