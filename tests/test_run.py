@@ -250,7 +250,6 @@ def test_killed_worker_then_a_replacement_killed_in_its_first_sync(tmp_path: Pat
         check_survivor(results[s], failures=2)
         sizes = [g["size"] for g in results[s]["gens"]]
         assert 2 in sizes[sizes.index(3) :] and sizes[-1] == 3
-        assert results[s]["steps"][0] == 0  # survivors went on from where they were: never back to 0
     joiner = results[2]
     assert joiner["life"] == 2  # life 1 died in its first sync (ELASTIC_FAULT), life 2 made it
     assert joiner["gens"][0]["step"] >= 10  # received the survivors' state
