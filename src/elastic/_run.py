@@ -499,7 +499,8 @@ def run(
       every rank when a worker waits to join or leaves (every `check_every`-th call exchanges the flag).
     - Any other exception from ``fn`` propagates out of `run` on its rank, after its group is aborted.
     - SIGTERM (a preemption notice) is a planned departure: the step finishes, the worker leaves at its
-      next ``check()`` with the others, and `run` returns None there; the others lose no step.
+      next ``check()`` with the others, and `run` returns None there; the others lose no step. (The
+      handler is installed only when `run` is called from the main thread, and restored on return.)
     - Fewer than `min_workers` alive: wait for joiners until `join_timeout` (default 600 s), then
       `ElasticError`. `timeout` (default 60 s) bounds every collective and the store's operations.
 
@@ -621,7 +622,11 @@ def _loop(
                 gen.announce(f"raised {type(exc).__name__}")
                 _abort_group()
                 raise
-            _announce(rendezvous)
+            leaving = departure.requested.is_set()
+            if leaving:
+                rendezvous.leave()  # SIGTERM came first: the others need not wait for this member
+            else:
+                _announce(rendezvous)
             gen.announce("saw the group fail")
             text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
             del exc
@@ -629,8 +634,7 @@ def _loop(
             log.warning(
                 "generation %d: communication failed (%s: %s); regrouping", membership.generation, why, text
             )
-            if departure.requested.is_set():
-                rendezvous.leave()
+            if leaving:
                 log.info("generation %d: SIGTERM received; not rejoining", membership.generation)
                 return None
             continue
