@@ -46,11 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server = serve(args.host, args.port, timeout=timedelta(seconds=args.timeout))
         address = format_address(args.host, server.port)
-        log.info(
-            "serving the rendezvous store at %s (workers: %s=<this host>:%d)", address, RDZV_ENV, server.port
-        )
-        while not stop.wait(1.0):
+        log.info("serving the rendezvous store at %s (workers: %s=%s)", address, RDZV_ENV, address)
+        while not stop.wait(0.2):
             pass
+        log.info("received %s, stopping", signal.Signals(received[0]).name)
         del server
         log.info("stopped serving %s", address)
     finally:
