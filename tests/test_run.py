@@ -633,3 +633,31 @@ def test_two_torchruns_share_one_store_and_only_the_failed_machine_restarts(tmp_
     assert rec["A-0-0"]["gens"][0][2] == 0 and len(rec["A-0-0"]["gens"]) >= 3  # 3 -> smaller -> 3 workers
     for k in ("B-0-1", "B-1-1"):
         assert rec[k]["gens"][0][2] >= 15  # the restarted workers received the state
+
+
+def test_the_readme_first_demo_recovers_and_ends_with_equal_weights() -> None:
+    """examples/recover.py, the README's first command, with fewer steps."""
+    import re
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "recover.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "30", "--kill-at", "12"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "[rank 2] step 12: killing this worker (SIGKILL)" in out
+    assert "restarting slot 2 (restart 1 of 1)" in out
+    # the survivors went on from step 12, the step they were at
+    assert re.search(
+        r"\[rank 0\] worker 0 \(life 0\): generation \d+ starts at step 12 as rank \d of [12]", out
+    )
+    joined = re.search(
+        r"\[rank 2\] worker 2 \(life 1\): generation \d+ starts at step (\d+) as rank \d of 3", out
+    )
+    assert joined and int(joined.group(1)) >= 12, out  # the replacement received the survivors' state
+    assert re.search(r"final weights equal on every worker: [0-9a-f]{8}", out), out
