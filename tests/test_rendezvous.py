@@ -338,3 +338,89 @@ def _run_scenario(
     commands["w0"].put("join")
     got = _expect(events, {"w0": "error"})
     assert f"127.0.0.1:{port}" in got["w0"] and "unreachable" in got["w0"]
+
+
+# ------------------------------------------------------------------------- in one process, threads
+
+
+def _pair(port: int, **kw: Any) -> list[rendezvous.Rendezvous]:
+    from elastic._store import connect
+
+    return [
+        rendezvous.Rendezvous(
+            connect("127.0.0.1", port, timeout=TIMEOUT),
+            "threads",
+            name,
+            join_timeout=kw.get("join_timeout", timedelta(seconds=30)),
+            timeout=kw.get("timeout", timedelta(seconds=1)),
+            address=f"127.0.0.1:{port}",
+            max_workers=kw.get("max_workers"),
+            min_workers=kw.get("min_workers", 1),
+        )
+        for name in kw.get("names", ("a", "b"))
+    ]
+
+
+def _join_all(parts: list[rendezvous.Rendezvous]) -> list[Any]:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+        return list(pool.map(lambda r: r.join(), parts))
+
+
+def test_a_participant_without_progress_stops_beating_and_the_store_loss_is_soft() -> None:
+    from elastic._store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    a, b = _pair(server.port, max_workers=2)
+    try:
+        ma, mb = _join_all([a, b])
+        assert ma.generation == mb.generation == 0 and ma.members == mb.members == ("a", "b")
+        assert (ma.rank, mb.rank, ma.prefix) == (0, 1, "elastic/threads/pg/0/")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # b keeps making progress, a does not
+            b.progress()
+            time.sleep(0.05)
+            if b.alive() == {"b"}:
+                break
+        assert b.alive() == {"b"}  # a's thread stopped beating: no progress for `timeout` (hung)
+        a.progress()
+        deadline = time.monotonic() + 5
+        while b.alive() != {"a", "b"} and time.monotonic() < deadline:
+            b.progress()
+            time.sleep(0.05)
+        assert b.alive() == {"a", "b"}  # progress again: beating again
+        assert not a.pending() and not b.pending()
+        a.announce()
+        deadline = time.monotonic() + 5
+        while not b.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.pending()  # a member announced a regroup: the others' pending() turns True
+        del server  # the store dies: pending() and alive() fail soft, join() raises naming it
+        time.sleep(0.3)
+        assert b.pending() is True and isinstance(b.alive(), set)
+        with pytest.raises(ElasticError, match=r"store at 127\.0\.0\.1:\d+ has been unreachable"):
+            b.join()
+    finally:
+        a.close()
+        b.close()
+        b.close()  # idempotent
+
+
+def test_join_timeout_when_fewer_than_min_workers_and_participant_ids() -> None:
+    from elastic._store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    (alone,) = _pair(server.port, names=("solo",), min_workers=2, join_timeout=timedelta(seconds=1.5))
+    try:
+        with pytest.raises(
+            ElasticError, match=r"no generation formed within join_timeout=1\.5 s.*min_workers=2"
+        ):
+            alone.join()
+    finally:
+        alone.close()
+    with pytest.raises(ElasticError, match="participant id 'a,b'"):
+        _pair(server.port, names=("a,b",))
+    with pytest.raises(ElasticError, match="min_workers=3, max_workers=2"):
+        _pair(server.port, min_workers=3, max_workers=2)
+    del server
