@@ -83,9 +83,11 @@ def test_notebook_runs_and_shows_the_workers(path: Path, kernel_name: str) -> No
 
 def check_recovery(texts: list[str]) -> None:
     run_cell = next(t for t in texts if "killing this worker" in t)
-    assert "[rank 2] killing this worker (SIGKILL) at step 40" in run_cell
+    killed = re.search(r"\[rank 2\] killing this worker \(SIGKILL\) at step (\d+)", run_cell)
+    assert killed and int(killed.group(1)) >= 40
     assert "restarting slot 2 (restart 1 of 1)" in run_cell
-    survivor = r"\[rank 0\] slot 0 life 0: generation \d+, rank \d of [12], starting at step 40"
+    step = killed.group(1)
+    survivor = rf"\[rank 0\] slot 0 life 0: generation \d+, rank \d of [12], starting at step {step}"
     assert re.search(survivor, run_cell)  # went on from the step it was at
     replacement = r"\[rank 2\] slot 2 life 1: generation \d+, rank \d of 3, starting at step \d+"
     assert re.search(replacement, run_cell)
