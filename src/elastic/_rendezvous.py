@@ -468,12 +468,14 @@ class Rendezvous:
             )
 
     def close(self) -> None:
-        """Stop the heartbeat thread (idempotent)."""
+        """Stop the heartbeat thread and drop its store connection (idempotent)."""
         self._closed = True
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=max(1.0, 4 * self.period))
+            if not thread.is_alive():
+                self._beat_store = None
 
     # ---------------------------------------------------------------------------------------- private
 
@@ -521,8 +523,14 @@ class Rendezvous:
             self._observe(self._store, others)
             now = time.monotonic()
 
+            # A member that announced its regroup may be stalled in its abort: wait `grace` for it. So
+            # does a round no previous member joined yet (a joiner while the generation trains, or every
+            # member dead): it is never urgent, and a generation stalled in its start (imports, group
+            # init, garbage collection hold the GIL) must not look dead to a newcomer.
+            orphan = not any(q in prev for q in events.joined)
+
             def alive(p: str) -> bool:
-                within = self.grace if p in events.announced else self.expiry
+                within = self.grace if p in events.announced or (orphan and p in prev) else self.expiry
                 return p == self.participant or self._fresh(p, now, within)
 
             def ready(p: str) -> bool:
