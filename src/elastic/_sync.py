@@ -23,8 +23,10 @@ from ._tree import (
     StateNode,
     TensorMeta,
     apply_fields,
+    carriers,
     compatible,
     field_digests,
+    fill_aliases,
     flatten,
     receive_targets,
     schema_of,
@@ -170,6 +172,11 @@ def _describe(schema: Any) -> str:
         return f"nested state {schema[1][0]}"
     if schema[0] == "stateful":
         return f"stateful {schema[1]}"
+    if schema[0] == "optimizer":
+        groups = ", ".join(f"{n} params with {'/'.join(h)}" for n, h in schema[2])
+        return f"{schema[1]} optimizer with {len(schema[2])} param group(s) [{groups}]"
+    if schema[0] == "rng":
+        return f"{schema[1]} generator"
     return str(schema[0])
 
 
@@ -288,6 +295,10 @@ class Payload:
             tuple(x.shape for x in m),
             tuple(x.dtype for x in m),
             tuple(x.device_type for x in m),
+            tuple(x.stride for x in m),
+            tuple(x.requires_grad for x in m),
+            tuple(x.alias for x in m),
+            tuple(x.offset for x in m),
         )
         return (
             _payload,
@@ -343,6 +354,21 @@ def run_sync(
     notify: bool = True,
 ) -> SyncReport:
     """`sync` with the name of the calling operation for messages (used by `load` too)."""
+    # Tensors allocated or cached here must be ordinary tensors, also when the caller is under
+    # torch.inference_mode() (an inference tensor fails at the next optimizer.step()).
+    with torch.inference_mode(False):
+        return _run_sync(state, group, src, force, timeout, op, notify)
+
+
+def _run_sync(
+    state: Any,
+    group: Any,
+    src: int | None,
+    force: bool,
+    timeout: timedelta | float | None,
+    op: str,
+    notify: bool,
+) -> SyncReport:
     config = config_of(state, f"elastic.{op}()")
     deadline = as_timedelta(timeout, op)
     started = time.perf_counter()
@@ -446,12 +472,15 @@ def _transfer(
     payload = built if built is not None else cloudpickle.loads(raw)
     if payload.error is not None:
         raise SyncError(f"{op} failed in phase 'objects': {payload.error}", phase="objects") from None
-    tensor_bytes = sum(m.nbytes for m in payload.metas)
+    moving = carriers(payload.metas)  # tensors sharing storage with another travel once
+    tensor_bytes = sum(payload.metas[i].nbytes for i in moving)
+    sent_metas = [payload.metas[i] for i in moving]
+    sent_direct = [payload.direct[i] for i in moving]
 
     # Tensors: in place where the receiver has a matching tensor, allocated from the metadata otherwise.
     if rank == src:
         assert flat is not None
-        send_tensors(comm, src, flat.tensors, payload.direct, payload.metas, on_error)
+        send_tensors(comm, src, [flat.tensors[i] for i in moving], sent_direct, sent_metas, on_error)
     else:
         try:
             if index_error is not None:
@@ -466,12 +495,13 @@ def _transfer(
             ]
             in_place = [False] * len(targets)
         set_lineage(state, token=None, torn=True)  # from the first byte written until commit
-        receive_tensors(comm, src, targets, payload.direct, payload.metas, on_error)
+        receive_tensors(comm, src, [targets[i] for i in moving], sent_direct, sent_metas, on_error)
         if not errors:
             try:
                 fault_point("apply", rank)
                 assert payload.skeleton is not None
-                with torch.no_grad():
+                with torch.no_grad(), torch.inference_mode(False):
+                    fill_aliases(targets, payload.metas)
                     apply_fields(state, payload.skeleton, targets, in_place)
             except Exception as exc:
                 on_error(exc)

@@ -11,6 +11,8 @@ the receiver's own objects (modules, optimizers, containers, tensors written in 
 from __future__ import annotations
 
 import hashlib
+import random
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -31,7 +33,11 @@ __all__ = [
     "flatten",
     "kind_of",
     "materialize",
+    "RestoreNode",
+    "canonical_state_dict",
+    "carriers",
     "copy_state",
+    "fill_aliases",
     "path_str",
     "receive_targets",
     "schema_of",
@@ -42,9 +48,21 @@ Which = Literal["sync", "save"]
 Path = tuple[Any, ...]
 
 #: Kinds a field value can have; part of the schema digest.
-KINDS = ("tensor", "module", "optimizer", "stateful", "state", "dict", "list", "tuple", "object", "none")
+KINDS = (
+    "tensor",
+    "module",
+    "optimizer",
+    "stateful",
+    "state",
+    "rng",
+    "dict",
+    "list",
+    "tuple",
+    "object",
+    "none",
+)
 #: Kinds a receiver can build from the source's skeleton alone, so `None` on one rank is compatible.
-BUILDABLE = frozenset({"tensor", "dict", "list", "tuple", "object", "none"})
+BUILDABLE = frozenset({"tensor", "rng", "dict", "list", "tuple", "object", "none"})
 
 
 @attrs.frozen
@@ -86,16 +104,45 @@ class ContainerNode:
 
 
 @attrs.frozen
+class RestoreNode:
+    """An object restored in place through its own protocol (a random generator): `kind` names the
+    protocol, `state` is plain data (a `TensorSlot` for a `torch.Generator`'s byte state), `device` the
+    torch generator's device."""
+
+    kind: str
+    state: Any
+    device: str = "cpu"
+
+
+@attrs.frozen
 class TensorMeta:
-    """What a receiver needs to place a tensor it does not have: path, shape, dtype, device type."""
+    """What a receiver needs to place a tensor it does not have: path, shape, dtype, device type, strides
+    and `requires_grad`; `alias` is the index of the tensor whose storage this one shares on the source
+    (-1: none) and `offset` its storage offset relative to that tensor's, in elements."""
 
     path: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
     device_type: str
+    stride: tuple[int, ...] | None = None
+    requires_grad: bool = False
+    alias: int = -1
+    offset: int = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TensorMeta, (self.path, self.shape, self.dtype, self.device_type))
+        return (
+            TensorMeta,
+            (
+                self.path,
+                self.shape,
+                self.dtype,
+                self.device_type,
+                self.stride,
+                self.requires_grad,
+                self.alias,
+                self.offset,
+            ),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +192,8 @@ def kind_of(value: Any) -> str:
         return "optimizer"
     if is_elastic_state(value):
         return "state"
+    if rng_kind(value) is not None:
+        return "rng"
     if _is_stateful(value):
         return "stateful"
     if type(value) in (dict, OrderedDict):
@@ -162,11 +211,48 @@ def _fields_of(state: Any, which: Which) -> list[str]:
     return [a.name for a in chosen]
 
 
+def rng_kind(value: Any) -> str | None:
+    """The restore protocol of a random generator (`None` for anything else); numpy is never imported."""
+    if isinstance(value, torch.Generator):
+        return "torch.Generator"
+    if isinstance(value, random.Random):
+        return None if isinstance(value, random.SystemRandom) else "random.Random"
+    np = sys.modules.get("numpy")
+    if np is not None and type(value).__module__.startswith("numpy"):
+        if isinstance(value, np.random.RandomState):
+            return "numpy.RandomState"
+        if isinstance(value, np.random.Generator):
+            return "numpy.Generator"
+    return None
+
+
+def check_object(value: Any, path: Path) -> None:
+    """Reject objects that must not be broadcast as they are (rank-specific by design), with the fix."""
+    if isinstance(value, torch.utils.data.DistributedSampler):
+        msg = (
+            f"field {path_str(path)} holds a torch DistributedSampler, which is rank-specific by design "
+            f"(its rank={value.rank} would reach every rank, and every rank would read the same shard); "
+            "mark the field elastic.local(), or use elastic.ElasticSampler, whose position is synced"
+        )
+        raise TypeError(msg)
+
+
 def check_tensor(tensor: torch.Tensor, path: Path) -> None:
     """Reject tensors that cannot be transferred, with the fix."""
-    if not (tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized):
+    if type(tensor) is torch.Tensor and not (
+        tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized
+    ):
         return  # the common case, without building the path's text
     where = path_str(path)
+    if type(tensor) is not torch.Tensor and not (
+        type(tensor) is torch.nn.Parameter and type(tensor.detach()) is torch.Tensor
+    ):
+        msg = (
+            f"tensor {where} is a {type(tensor).__module__}.{type(tensor).__qualname__}, a tensor subclass "
+            "(DTensor, FakeTensor, ...); elastic moves plain dense tensors only: store its local or full "
+            "value (dtensor.full_tensor() or .to_local()) as a plain torch.Tensor instead"
+        )
+        raise TypeError(msg) from None
     if tensor.is_meta:
         msg = (
             f"tensor {where} is on the meta device and holds no data to sync or save; "
@@ -189,15 +275,63 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
     tensors: list[torch.Tensor] = []
     metas: list[TensorMeta] = []
 
+    storages: dict[tuple[str, int], list[int]] = {}
+
     def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:
-        check_tensor(tensor, path)
+        grad = tensor.requires_grad
         t = tensor.detach()
+        check_tensor(t, path)
+        i = len(tensors)
         tensors.append(t)
-        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, t.device.type))
-        return TensorSlot(len(tensors) - 1)
+        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, t.device.type, t.stride(), grad))
+        if t.numel():
+            storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), []).append(i)
+        return TensorSlot(i)
 
     skeleton = _walk_state(state, (), which, leaf)
+    for members in storages.values():
+        if len(members) > 1:
+            _link_aliases(tensors, metas, members)
     return Flat(skeleton=skeleton, tensors=tensors, metas=metas)
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """How many elements of storage a tensor reaches, from its first to its last (1 for a scalar)."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(shape, stride))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _link_aliases(tensors: list[torch.Tensor], metas: list[TensorMeta], members: list[int]) -> None:
+    """Among tensors sharing one storage, make each that lies inside a dense tensor of the same dtype an
+    alias of it (its bytes then travel once, and receivers rebuild it as a view)."""
+    order = sorted(members, key=lambda i: (-_span(metas[i].shape, metas[i].stride or ()), i))
+    carriers: list[tuple[int, int, int]] = []  # (index, first element, span) of dense tensors
+    for i in order:
+        m = metas[i]
+        start, span = int(tensors[i].storage_offset()), _span(m.shape, m.stride or ())
+        home = next(
+            (
+                c
+                for c, c_start, c_span in carriers
+                if metas[c].dtype == m.dtype and c_start <= start and start + span <= c_start + c_span
+            ),
+            None,
+        )
+        if home is not None:
+            metas[i] = attrs.evolve(m, alias=home, offset=start - int(tensors[home].storage_offset()))
+        elif span == _numel(m.shape):
+            carriers.append((i, start, span))
+
+
+def carriers(metas: list[TensorMeta]) -> list[int]:
+    """The indices of the tensors whose bytes travel (the others are views of one of them)."""
+    return [i for i, m in enumerate(metas) if m.alias < 0]
 
 
 def tensor_index(state: Any, which: Which = "sync") -> dict[Path, torch.Tensor]:
@@ -229,7 +363,7 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
         return leaf(value, path)
     if kind in ("module", "optimizer", "stateful"):
         try:
-            sd = value.state_dict()
+            sd = canonical_state_dict(value) if kind == "module" else value.state_dict()
         except Exception as exc:
             msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
             raise TypeError(msg) from exc
@@ -245,7 +379,97 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
             return ContainerNode(kind, type(value), (), tuple(value), atomic=True)
         children = tuple(_walk(v, (*path, i), which, leaf) for i, v in enumerate(value))
         return ContainerNode(kind, type(value), (), children)
+    if kind == "rng":
+        return _rng_node(value, path, leaf)
+    check_object(value, path)
     return value
+
+
+def _plain_state(value: Any) -> Any:
+    """numpy arrays in a generator state as lists of ints (plain data), recursively."""
+    if isinstance(value, dict):
+        return {k: _plain_state(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain_state(v) for v in value)
+    if type(value).__module__ == "numpy":
+        return value.tolist()
+    return value
+
+
+def _rng_node(value: Any, path: Path, leaf: Leaf) -> RestoreNode:
+    kind = rng_kind(value)
+    assert kind is not None  # kind_of said "rng"
+    if kind == "torch.Generator":
+        return RestoreNode(kind, leaf(value.get_state(), (*path, "state")), value.device.type)
+    if kind == "random.Random":
+        return RestoreNode(kind, value.getstate())
+    if kind == "numpy.RandomState":
+        return RestoreNode(kind, _plain_state(value.get_state(legacy=False)))
+    return RestoreNode(kind, _plain_state(value.bit_generator.state))
+
+
+def _restore(node: RestoreNode, current: Any, tensors: list[torch.Tensor]) -> Any:
+    """Set a generator's state in place (a new generator when the receiver has none of that kind)."""
+    if rng_kind(current) != node.kind:
+        current = _new_rng(node)
+    if node.kind == "torch.Generator":
+        assert isinstance(node.state, TensorSlot)
+        current.set_state(tensors[node.state.index].to("cpu"))
+    elif node.kind == "random.Random":
+        current.setstate(node.state)
+    elif node.kind == "numpy.RandomState":
+        current.set_state(node.state)
+    else:
+        current.bit_generator.state = node.state
+    return current
+
+
+def _new_rng(node: RestoreNode) -> Any:
+    if node.kind == "torch.Generator":
+        device = "cuda" if node.device == "cuda" and torch.cuda.is_available() else node.device
+        return torch.Generator(device=device)
+    if node.kind == "random.Random":
+        return random.Random()
+    import numpy as np  # the source held a numpy generator: numpy is there (not a dependency of elastic)
+
+    if node.kind == "numpy.RandomState":
+        return np.random.RandomState()
+    return np.random.Generator(getattr(np.random, node.state["bit_generator"])())
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside `DistributedDataParallel` / `DataParallel` / `torch.compile` wrappers."""
+    while True:
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
+        if isinstance(inner, torch.nn.Module):
+            module = inner
+        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
+def _canonical(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
+def canonical_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """`module.state_dict()` with the names an unwrapped model has (no `module.` / `_orig_mod.`), as torch's
+    `get_model_state_dict` names them."""
+    sd = unwrap(module).state_dict()
+    if any("_orig_mod." in k for k in sd):  # a compiled submodule
+        return OrderedDict((_canonical(k), v) for k, v in sd.items())
+    return sd
+
+
+def _load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
+    """`load_state_dict` of canonical names into a module that may be wrapped or hold compiled parts."""
+    inner = unwrap(module)
+    own = list(inner.state_dict(keep_vars=True).keys())
+    if any("_orig_mod." in k for k in own):
+        names = {_canonical(k): k for k in own}
+        sd = OrderedDict((names.get(k, k), v) for k, v in sd.items())
+    inner.load_state_dict(sd)
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
@@ -257,6 +481,8 @@ def slots_in(node: Any) -> Iterator[int]:
         yield node.index
     elif isinstance(node, StatefulNode):
         yield from slots_in(node.inner)
+    elif isinstance(node, RestoreNode):
+        yield from slots_in(node.state)
     elif isinstance(node, StateNode):
         for child in node.fields.values():
             yield from slots_in(child)
@@ -285,6 +511,8 @@ def materialize(
     """
     if isinstance(node, TensorSlot):
         return tensors[node.index]
+    if isinstance(node, RestoreNode):
+        return _restore(node, current, tensors)
     if isinstance(node, StateNode):
         if not is_elastic_state(current) or type(current).__qualname__ != node.qualname:
             found = type(current).__qualname__
@@ -303,7 +531,10 @@ def materialize(
         ):
             return current  # every parameter and buffer was written in place
         sd = materialize(node.inner, None, tensors, in_place, path)
-        current.load_state_dict(sd)
+        if node.kind == "module":
+            _load_module(current, sd)
+        else:
+            current.load_state_dict(sd)
         return current
     if isinstance(node, ContainerNode):
         if node.kind == "dict":
@@ -347,12 +578,16 @@ def receive_targets(
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Where each incoming tensor goes: the receiver's own tensor at the same path when it has the same
     shape, dtype and device type (written in place), otherwise a new tensor allocated from the metadata on
-    `device_for(meta)`. Returns the targets and which of them are in place."""
+    `device_for(meta)` (an ordinary tensor with the source's strides and `requires_grad`, also under
+    `torch.inference_mode()`). An alias the receiver lacks becomes a view of its carrier's target, so
+    storage shared on the source is shared here; `fill_aliases` completes the rest once the carriers
+    hold their bytes. Returns the targets and which of them are in place."""
     if index is None:
         index = tensor_index(state, which)
-    targets: list[torch.Tensor] = []
-    in_place: list[bool] = []
-    for meta in metas:
+    targets: list[Any] = [None] * len(metas)
+    in_place = [False] * len(metas)
+    aliases = []
+    for i, meta in enumerate(metas):
         mine = index.get(meta.path)
         fits = (
             mine is not None
@@ -361,12 +596,74 @@ def receive_targets(
             and mine.device.type == meta.device_type
         )
         if fits:
-            assert mine is not None
-            targets.append(mine)
+            targets[i] = mine
+            in_place[i] = True
+        elif meta.alias >= 0:
+            aliases.append(i)
         else:
-            targets.append(torch.empty(meta.shape, dtype=meta.dtype, device=device_for(meta)))
-        in_place.append(fits)
+            targets[i] = _allocate(meta, device_for(meta))
+    for i in aliases:
+        meta = metas[i]
+        carrier = targets[meta.alias]
+        if carrier.stride() == metas[meta.alias].stride:
+            targets[i] = _as_view(carrier, meta)
+        else:  # the carrier is the receiver's own tensor in another layout: a copy, filled afterwards
+            targets[i] = _allocate(meta, device_for(meta))
     return targets, in_place
+
+
+def _as_view(carrier: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    assert meta.stride is not None  # aliases are found from strides
+    with torch.inference_mode(False):
+        view = carrier.detach().as_strided(meta.shape, meta.stride, carrier.storage_offset() + meta.offset)
+        if meta.requires_grad:
+            view.requires_grad_(True)
+    return view
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a layout covers its storage exactly once (contiguous, channels_last, any permutation)."""
+    expected = 1
+    for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n != 1), key=lambda p: p[1]):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _allocate(meta: TensorMeta, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        if meta.stride is not None and _numel(meta.shape) > 1 and _dense(meta.shape, meta.stride):
+            t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+        else:
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        if meta.requires_grad:
+            t.requires_grad_(True)
+    return t
+
+
+def fill_aliases(targets: list[torch.Tensor], metas: list[TensorMeta]) -> None:
+    """After the carriers hold their bytes: give every alias target that is not already a view of its
+    carrier the carrier's values (the receiver's own untied tensors, another layout)."""
+    for i, meta in enumerate(metas):
+        if meta.alias < 0:
+            continue
+        target, carrier, cmeta = targets[i], targets[meta.alias], metas[meta.alias]
+        if carrier.stride() != cmeta.stride:
+            assert cmeta.stride is not None
+            with torch.no_grad():
+                carrier = torch.empty_strided(
+                    cmeta.shape, cmeta.stride, dtype=carrier.dtype, device=carrier.device
+                ).copy_(carrier)
+        view = _as_view(carrier, attrs.evolve(meta, requires_grad=False))
+        if (
+            target.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+            and target.storage_offset() == view.storage_offset()
+            and target.stride() == view.stride()
+        ):
+            continue  # already the same memory
+        with torch.no_grad():
+            target.detach().copy_(view.to(target.device))
 
 
 def copy_state(src: Any, dst: Any, which: Which = "sync") -> list[bool]:
@@ -374,9 +671,10 @@ def copy_state(src: Any, dst: Any, which: Which = "sync") -> list[bool]:
     can). Returns which tensors were written in place. Used for local round trips and tests."""
     flat = flatten(src, which)
     targets, in_place = receive_targets(dst, flat.metas, which, lambda m: torch.device(m.device_type))
-    with torch.no_grad():
-        for target, tensor in zip(targets, flat.tensors):
-            target.detach().copy_(tensor)
+    with torch.no_grad(), torch.inference_mode(False):
+        for i in carriers(flat.metas):
+            targets[i].detach().copy_(flat.tensors[i])
+        fill_aliases(targets, flat.metas)
         apply_fields(dst, flat.skeleton, targets, in_place)
     return in_place
 
@@ -410,25 +708,42 @@ def _digest(obj: Any) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
 
 
-def _value_schema(value: Any) -> Any:
+def _value_schema(value: Any, path: Path) -> Any:
     kind = kind_of(value)
     if kind == "module":
-        sd = value.state_dict()
-        return (
-            "module",
-            tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sd.items() if isinstance(v, torch.Tensor)),
+        sd = canonical_state_dict(value)
+        layout = []
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                check_tensor(v, (*path, k))
+                layout.append((k, tuple(v.shape), str(v.dtype)))
+        return ("module", tuple(layout))
+    if kind == "optimizer":
+        groups = tuple(
+            (len(g["params"]), tuple(sorted(k for k in g if k != "params"))) for g in value.param_groups
         )
+        return ("optimizer", type(value).__qualname__, groups)
     if kind == "state":
-        return ("state", schema_of(value))
+        return ("state", schema_of(value, path))
     if kind == "stateful":
         return ("stateful", type(value).__qualname__)
+    if kind == "rng":
+        return ("rng", rng_kind(value))
+    if kind == "tensor":
+        check_tensor(value, path)
+    elif kind == "object":
+        check_object(value, path)
     return (kind,)
 
 
-def schema_of(state: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    """The class's qualified name and, per synced field, its kind (and module layout)."""
+def schema_of(state: Any, path: Path = ()) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """The class's qualified name and, per synced field, its kind (and module layout after removing
+    wrapper prefixes, optimizer class and param-group layout). Raises `TypeError` for a field that can
+    never be synced (a DistributedSampler, a tensor subclass), so every rank learns before anything moves."""
     config_of(state)
-    fields = tuple((name, _value_schema(getattr(state, name))) for name in _fields_of(state, "sync"))
+    fields = tuple(
+        (name, _value_schema(getattr(state, name), (*path, name))) for name in _fields_of(state, "sync")
+    )
     return (type(state).__qualname__, fields)
 
 
