@@ -313,7 +313,9 @@ def test_aliases_strides_requires_grad_and_generators_survive_allocation() -> No
     assert dst.view.untyped_storage().data_ptr() == dst.base.untyped_storage().data_ptr()
     assert dst.view.storage_offset() == 2 and torch.equal(dst.view, torch.arange(2.0, 6.0))
     assert dst.a.data_ptr() == dst.b.data_ptr()
-    assert dst.nhwc.is_contiguous(memory_format=torch.channels_last) and dst.nhwc.stride() == src.nhwc.stride()
+    assert (
+        dst.nhwc.is_contiguous(memory_format=torch.channels_last) and dst.nhwc.stride() == src.nhwc.stride()
+    )
     assert torch.equal(dst.nhwc, src.nhwc)
     assert dst.learned.requires_grad and not dst.learned.is_inference() and not dst.base.is_inference()
     # generators restored in place: a DataLoader(generator=g) keeps drawing from the right one
@@ -360,7 +362,7 @@ def test_module_names_are_canonical_without_wrapper_prefixes() -> None:
     plain = make(0, False)
     compiled = make(0, False)
     compiled.model = torch.compile(compiled.model)  # an OptimizedModule: `_orig_mod.` prefixes
-    assert list(compiled.model.state_dict())[0].startswith("_orig_mod.")
+    assert next(iter(compiled.model.state_dict())).startswith("_orig_mod.")
     assert field_digests(plain) == field_digests(compiled)
     assert [m.path for m in flatten(compiled).metas] == [m.path for m in flatten(plain).metas]
     # a compiled submodule keeps its place, without the prefix
