@@ -348,3 +348,144 @@ def test_failures_tear_receivers_and_never_hang() -> None:
     assert results[0]["tenure_after_death"] is None  # torn receiver
     assert results[2]["tenure_after_death"] == 50  # the source is never torn
     assert results[2]["source_unchanged_after_death"]
+
+
+# -----------------------------------------------------------------------------------------------------------
+# What a sync carries (DESIGN "What sync carries, precisely"): one 2-rank spawn checks every item.
+
+
+class Tied(torch.nn.Module):
+    """A language-model-like module whose output layer shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Carry:
+    model: Any
+    opt: Any
+    step: int = 0
+    base: Any = None
+    view: Any = None
+    a: Any = None
+    b: Any = None
+    nhwc: Any = None
+    learned: Any = None
+    gen: Any = None
+    rnd: Any = None
+    nprs: Any = None
+    npgen: Any = None
+    extra: Any = None
+
+
+def _carry(rank: int, world: int) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DistributedSampler
+
+    out: dict[str, Any] = {}
+    alone = dist.new_group([0])  # rank 0 wraps its model in DDP on a group of its own
+    torch.manual_seed(rank)
+    tied = Tied()
+    model: Any = DDP(tied, process_group=alone) if rank == 0 else tied
+    s = Carry(model, torch.optim.Adam(tied.parameters(), lr=0.1))
+    gen, rnd = torch.Generator().manual_seed(rank), random.Random(rank)
+    nprs, npgen = np.random.RandomState(rank), np.random.default_rng(rank)
+    s.gen, s.rnd, s.nprs, s.npgen = gen, rnd, nprs, npgen
+    if rank == 0:
+        s.step = 5
+        model(torch.tensor([1, 2])).sum().backward()
+        s.opt.step()  # rank 1's fresh Adam has no exp_avg: it allocates them
+        s.base = torch.arange(12.0)
+        s.view = s.base[2:6]
+        s.a = s.b = torch.full((3,), 7.0)
+        s.nhwc = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        s.learned = torch.ones(2, requires_grad=True)
+    with torch.inference_mode():  # e.g. called from an evaluation loop
+        report = elastic.sync(s)
+    out["tensor_bytes"] = report.tensor_bytes
+    out["tied"] = tied.head.weight is tied.emb.weight
+    out["view_shares"] = s.view.untyped_storage().data_ptr() == s.base.untyped_storage().data_ptr()
+    out["view"] = (s.view.storage_offset(), s.view.tolist())
+    out["a_is_b"] = s.a.data_ptr() == s.b.data_ptr()
+    out["nhwc"] = (s.nhwc.stride(), s.nhwc.sum().item())
+    out["learned"] = (s.learned.requires_grad, s.learned.is_inference())
+    out["same_generators"] = (s.gen, s.rnd, s.nprs, s.npgen) == (gen, rnd, nprs, npgen)
+    out["draws"] = (torch.rand(2, generator=gen).tolist(), rnd.random(), nprs.rand(), npgen.random())
+    s.opt.zero_grad()
+    tied(torch.tensor([3])).sum().backward()
+    s.opt.step()  # fails on an inference tensor
+    out["weights"] = tied.emb.weight.sum().item()
+    elastic.sync(s, force=True)
+    elastic.verify(s)  # generators, numpy states and all: identical by value
+    out["verified"] = True
+
+    def attempt(key: str, state: Any) -> None:
+        before = [p.detach().clone() for p in tied.parameters()]
+        try:
+            elastic.sync(state, force=True, timeout=20)
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc))
+        out[key + " untouched"] = all(torch.equal(p, q) for p, q in zip(before, tied.parameters()))
+        out[key + " tenure"] = elastic.tenure(state)
+
+    # an optimizer of another class, or a param group on one rank only: caught before anything moves
+    sgd = torch.optim.SGD(tied.parameters(), lr=0.1) if rank == 1 else s.opt
+    attempt("optimizer class", Carry(tied, sgd, step=9 - rank))
+    groups = torch.optim.Adam([{"params": [tied.emb.weight]}], lr=0.1)
+    if rank == 0:
+        groups.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    attempt("param groups", Carry(tied, groups, step=9 - rank))
+    sampler = DistributedSampler(list(range(8)), num_replicas=world, rank=rank)
+    attempt("sampler", Carry(tied, s.opt, step=9 - rank, extra=sampler))
+    mesh = init_device_mesh("cpu", (world,))
+    dtensor = distribute_tensor(torch.arange(4.0), mesh)
+    attempt("dtensor", Carry(tied, s.opt, step=9 - rank, extra=dtensor))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_what_sync_carries_on_real_ranks() -> None:
+    r0, r1 = run_on_ranks(_carry, 2)
+    # tied weights, the view and the second field travel once: 40 (tied) + 81 (Adam's two moments and
+    # step) + 12 + 3 + 120 + 2 floats, and the generator's 5056 bytes
+    assert r0["tensor_bytes"] == r1["tensor_bytes"] == (40 + 81 + 12 + 3 + 120 + 2) * 4 + 5056
+    assert r1["tied"] and r1["view_shares"] and r1["a_is_b"]
+    assert r1["view"] == (2, [2.0, 3.0, 4.0, 5.0])
+    assert r1["nhwc"] == r0["nhwc"] and r1["nhwc"][0] == (60, 1, 15, 3)  # channels_last strides
+    assert r1["learned"] == (True, False)
+    assert r1["same_generators"] and r1["draws"] == r0["draws"]
+    assert r1["weights"] == r0["weights"]
+    assert r0["verified"] and r1["verified"]
+    for key, needle in [
+        ("optimizer class", "field 'opt': Adam optimizer with 1 param group(s)"),
+        ("param groups", "Adam optimizer with 2 param group(s)"),
+    ]:
+        for r in (r0, r1):
+            kind, msg = r[key]
+            assert kind == "StateMismatchError" and needle in msg and "nothing was moved" in msg
+            assert r[key + " untouched"] and r[key + " tenure"] == 9 - (r is r1)
+    assert "SGD optimizer" in r0["optimizer class"][1]
+    for r in (r0, r1):
+        kind, msg = r["sampler"]
+        assert kind == "SyncError" and "field extra holds a torch DistributedSampler" in msg
+        assert "elastic.local()" in msg and "elastic.ElasticSampler" in msg
+        kind, msg = r["dtensor"]
+        assert kind == "SyncError" and "tensor extra is a torch.distributed.tensor" in msg
+        assert "tensor subclass" in msg
+        for key in ("sampler", "dtensor"):
+            assert r[key + " untouched"] and r[key + " tenure"] == 9 - (r is r1)
