@@ -25,10 +25,11 @@ from ._tree import (
     apply_fields,
     carriers,
     compatible,
-    field_digests,
+    digests_of,
     fill_aliases,
     flatten,
     receive_targets,
+    schema_from,
     schema_of,
     tensor_index,
 )
@@ -94,22 +95,30 @@ def _has_nan(value: Any) -> bool:
 
 
 def _local_record(state: Any, config: StateConfig, src: int | None, rank: int, with_schema: bool) -> Record:
+    return _scan(state, config, src, with_schema)[0]
+
+
+def _scan(state: Any, config: StateConfig, src: int | None, with_schema: bool) -> tuple[Record, Flat | None]:
+    """This rank's election record and, with the schema, the flattened state it was computed from: one
+    walk of the state serves the schema, the source's tensors and the receiver's targets."""
     line = lineage(state)
     try:
         value = None if line.torn else config.tenure(state)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src)
+        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), None
     schema = None
+    flat = None
     if with_schema:
         try:
-            schema = field_digests(state)
+            flat = flatten(state, "sync")
+            schema = digests_of(schema_from(flat))
         except Exception as exc:
-            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src)
+            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None
     try:
         cloudpickle.dumps(value)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src)
-    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src)
+        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src), None
+    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), flat
 
 
 def _gather_records(comm: Comm, record: Record, phase: str) -> list[Record]:
@@ -381,8 +390,9 @@ def _run_sync(
             config.on_sync(state, report)
         return report
 
-    rank, world = comm.rank, comm.world_size
-    records = _gather_records(comm, _local_record(state, config, src, rank, with_schema=True), "elect")
+    world = comm.world_size
+    mine, scanned = _scan(state, config, src, with_schema=True)
+    records = _gather_records(comm, mine, "elect")
     _check_errors(records, op)
     given = _check_src(records, world, op)
     _check_schemas(comm, records, state, op)
@@ -408,7 +418,7 @@ def _run_sync(
         _finish(state, config, report, op, notify)
         return report
     source = elected if given is None else given
-    report = _transfer(state, comm, source, records, op, started)
+    report = _transfer(state, comm, source, records, op, started, scanned)
     _finish(state, config, report, op, notify)
     return report
 
@@ -429,7 +439,13 @@ def _finish(state: Any, config: StateConfig, report: SyncReport, op: str, notify
 
 
 def _transfer(
-    state: Any, comm: Comm, src: int, records: Sequence[Record], op: str, started: float
+    state: Any,
+    comm: Comm,
+    src: int,
+    records: Sequence[Record],
+    op: str,
+    started: float,
+    scanned: Flat | None = None,
 ) -> SyncReport:
     rank = comm.rank
     errors: list[str] = []
@@ -444,7 +460,7 @@ def _transfer(
     if rank == src:
         try:
             fault_point("flatten", rank)
-            flat = flatten(state, "sync")
+            flat = scanned if scanned is not None else flatten(state, "sync")
             direct = [is_direct(t, comm.device) for t in flat.tensors]
             line = lineage(state)
             token = None if line.torn else uuid.uuid4().hex
@@ -465,7 +481,7 @@ def _transfer(
     index_error: BaseException | None = None
     if rank != src:  # walk our own tree while the source flattens and pickles
         try:
-            index = tensor_index(state, "sync")
+            index = scanned.index() if scanned is not None else tensor_index(state, "sync")
         except Exception as exc:
             index_error = exc
     raw = comm.broadcast_bytes(data, src, "objects")

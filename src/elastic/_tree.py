@@ -29,6 +29,7 @@ __all__ = [
     "StatefulNode",
     "TensorMeta",
     "TensorSlot",
+    "digests_of",
     "field_digests",
     "flatten",
     "kind_of",
@@ -40,6 +41,7 @@ __all__ = [
     "fill_aliases",
     "path_str",
     "receive_targets",
+    "schema_from",
     "schema_of",
     "tensor_index",
 ]
@@ -81,6 +83,8 @@ class StatefulNode:
 
     kind: str
     inner: Any
+    #: the object's class (qualified name): optimizers and other stateful objects must match across ranks
+    type_name: str = ""
 
 
 @attrs.frozen
@@ -163,6 +167,12 @@ class Flat:
     skeleton: StateNode
     tensors: list[torch.Tensor]
     metas: list[TensorMeta]
+    #: the tensor objects themselves (`tensors` are their detached views): where a receiver writes in place
+    originals: list[torch.Tensor] = attrs.field(factory=list)
+
+    def index(self) -> dict[Path, torch.Tensor]:
+        """The state's own tensors by path, as `tensor_index` finds them (from the same walk)."""
+        return {m.path: t for m, t in zip(self.metas, self.originals)}
 
 
 def path_str(path: Path) -> str:
@@ -275,14 +285,16 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
     tensors: list[torch.Tensor] = []
     metas: list[TensorMeta] = []
 
+    originals: list[torch.Tensor] = []
     storages: dict[tuple[str, int], list[int]] = {}
 
     def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:
         grad = tensor.requires_grad
-        t = tensor.detach()
+        t = tensor.detach() if grad or type(tensor) is not torch.Tensor else tensor  # state dicts: detached
         check_tensor(t, path)
         i = len(tensors)
         tensors.append(t)
+        originals.append(tensor)
         metas.append(TensorMeta(path, tuple(t.shape), t.dtype, t.device.type, t.stride(), grad))
         if t.numel():
             storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), []).append(i)
@@ -292,7 +304,7 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
     for members in storages.values():
         if len(members) > 1:
             _link_aliases(tensors, metas, members)
-    return Flat(skeleton=skeleton, tensors=tensors, metas=metas)
+    return Flat(skeleton=skeleton, tensors=tensors, metas=metas, originals=originals)
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -367,7 +379,7 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
         except Exception as exc:
             msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
             raise TypeError(msg) from exc
-        return StatefulNode(kind=kind, inner=_walk(sd, path, which, leaf))
+        return StatefulNode(kind=kind, inner=_walk(sd, path, which, leaf), type_name=type(value).__qualname__)
     if kind == "state":
         return _walk_state(value, path, which, leaf)
     if kind == "dict":
@@ -708,49 +720,73 @@ def _digest(obj: Any) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
 
 
-def _value_schema(value: Any, path: Path) -> Any:
-    kind = kind_of(value)
-    if kind == "module":
-        sd = canonical_state_dict(value)
-        layout = []
-        for k, v in sd.items():
-            if isinstance(v, torch.Tensor):
-                check_tensor(v, (*path, k))
-                layout.append((k, tuple(v.shape), str(v.dtype)))
-        return ("module", tuple(layout))
-    if kind == "optimizer":
-        groups = tuple(
-            (len(g["params"]), tuple(sorted(k for k in g if k != "params"))) for g in value.param_groups
-        )
-        return ("optimizer", type(value).__qualname__, groups)
-    if kind == "state":
-        return ("state", schema_of(value, path))
-    if kind == "stateful":
-        return ("stateful", type(value).__qualname__)
-    if kind == "rng":
-        return ("rng", rng_kind(value))
-    if kind == "tensor":
-        check_tensor(value, path)
-    elif kind == "object":
-        check_object(value, path)
-    return (kind,)
+def _node_schema(node: Any, metas: list[TensorMeta]) -> Any:
+    if isinstance(node, TensorSlot):
+        return ("tensor",)
+    if isinstance(node, StatefulNode):
+        if node.kind == "module":
+            inner = node.inner
+            layout = tuple(
+                (k, metas[c.index].shape, str(metas[c.index].dtype))
+                for k, c in zip(inner.keys, inner.children)
+                if isinstance(c, TensorSlot)
+            )
+            return ("module", layout)
+        if node.kind == "optimizer":
+            return ("optimizer", node.type_name, _param_groups(node.inner))
+        return (node.kind, node.type_name)
+    if isinstance(node, StateNode):
+        return ("state", _state_schema(node, metas))
+    if isinstance(node, RestoreNode):
+        return ("rng", node.kind)
+    if isinstance(node, ContainerNode):
+        return (node.kind,)
+    return ("none",) if node is None else ("object",)
 
 
-def schema_of(state: Any, path: Path = ()) -> tuple[str, tuple[tuple[str, Any], ...]]:
+def _param_groups(inner: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """(parameters, hyperparameter names) per group of an optimizer's state-dict skeleton."""
+    if not isinstance(inner, ContainerNode) or "param_groups" not in inner.keys:
+        return ()
+    groups = inner.children[inner.keys.index("param_groups")]
+    out = []
+    for g in groups.children if isinstance(groups, ContainerNode) else ():
+        if not isinstance(g, ContainerNode) or g.kind != "dict":
+            continue
+        params = g.children[g.keys.index("params")] if "params" in g.keys else None
+        n = len(params.children) if isinstance(params, ContainerNode) else 0
+        out.append((n, tuple(sorted(str(k) for k in g.keys if k != "params"))))
+    return tuple(out)
+
+
+def _state_schema(node: StateNode, metas: list[TensorMeta]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    return (node.qualname, tuple((name, _node_schema(c, metas)) for name, c in node.fields.items()))
+
+
+def schema_from(flat: Flat) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    """The schema of a flattened state (its synced fields), from the same walk that flattened it."""
+    return _state_schema(flat.skeleton, flat.metas)
+
+
+def schema_of(state: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """The class's qualified name and, per synced field, its kind (and module layout after removing
     wrapper prefixes, optimizer class and param-group layout). Raises `TypeError` for a field that can
     never be synced (a DistributedSampler, a tensor subclass), so every rank learns before anything moves."""
     config_of(state)
-    fields = tuple(
-        (name, _value_schema(getattr(state, name), (*path, name))) for name in _fields_of(state, "sync")
-    )
-    return (type(state).__qualname__, fields)
+    return schema_from(flatten(state, "sync"))
+
+
+def digests_of(
+    schema: tuple[str, tuple[tuple[str, Any], ...]],
+) -> tuple[str, tuple[tuple[str, str, str], ...]]:
+    """A compact schema: the class name and, per synced field, (name, kind, digest)."""
+    qualname, fields = schema
+    return qualname, tuple((name, sch[0], _digest(sch)) for name, sch in fields)
 
 
 def field_digests(state: Any) -> tuple[str, tuple[tuple[str, str, str], ...]]:
     """A compact schema: the class name and, per synced field, (name, kind, digest)."""
-    qualname, fields = schema_of(state)
-    return qualname, tuple((name, sch[0], _digest(sch)) for name, sch in fields)
+    return digests_of(schema_of(state))
 
 
 def compatible(a: tuple[str, str, str], b: tuple[str, str, str]) -> bool:
