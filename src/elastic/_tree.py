@@ -15,7 +15,7 @@ import random
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 import torch
@@ -118,11 +118,11 @@ class RestoreNode:
     device: str = "cpu"
 
 
-@attrs.frozen
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """What a receiver needs to place a tensor it does not have: path, shape, dtype, device type, strides
     and `requires_grad`; `alias` is the index of the tensor whose storage this one shares on the source
-    (-1: none) and `offset` its storage offset relative to that tensor's, in elements."""
+    (-1: none) and `offset` its storage offset relative to that tensor's, in elements. A named tuple:
+    one is built per tensor per sync, ~10x faster than a frozen attrs class."""
 
     path: Path
     shape: tuple[int, ...]
@@ -132,21 +132,6 @@ class TensorMeta:
     requires_grad: bool = False
     alias: int = -1
     offset: int = 0
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            TensorMeta,
-            (
-                self.path,
-                self.shape,
-                self.dtype,
-                self.device_type,
-                self.stride,
-                self.requires_grad,
-                self.alias,
-                self.offset,
-            ),
-        )
 
     @property
     def nbytes(self) -> int:
@@ -288,14 +273,15 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
     originals: list[torch.Tensor] = []
     storages: dict[tuple[str, int], list[int]] = {}
 
-    def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:
+    def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:  # per tensor per sync: kept lean
         grad = tensor.requires_grad
         t = tensor.detach() if grad or type(tensor) is not torch.Tensor else tensor  # state dicts: detached
         check_tensor(t, path)
         i = len(tensors)
         tensors.append(t)
         originals.append(tensor)
-        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, t.device.type, t.stride(), grad))
+        device = "cpu" if t.is_cpu else t.device.type
+        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, device, t.stride(), grad, -1, 0))
         if t.numel():
             storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), []).append(i)
         return TensorSlot(i)
@@ -336,7 +322,7 @@ def _link_aliases(tensors: list[torch.Tensor], metas: list[TensorMeta], members:
             None,
         )
         if home is not None:
-            metas[i] = attrs.evolve(m, alias=home, offset=start - int(tensors[home].storage_offset()))
+            metas[i] = m._replace(alias=home, offset=start - int(tensors[home].storage_offset()))
         elif span == _numel(m.shape):
             carriers.append((i, start, span))
 
@@ -667,7 +653,7 @@ def fill_aliases(targets: list[torch.Tensor], metas: list[TensorMeta]) -> None:
                 carrier = torch.empty_strided(
                     cmeta.shape, cmeta.stride, dtype=carrier.dtype, device=carrier.device
                 ).copy_(carrier)
-        view = _as_view(carrier, attrs.evolve(meta, requires_grad=False))
+        view = _as_view(carrier, meta._replace(requires_grad=False))
         if (
             target.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
             and target.storage_offset() == view.storage_offset()
