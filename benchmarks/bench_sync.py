@@ -318,7 +318,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
     for line in verdicts:
         print(line)
     print("targets: many tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced; few tensors <= 1.3x floor;")
-    print("         a module of 2,000 tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced at 16 MiB buckets;")
+    print("         a module of 2,000 tensors <= 2.0x floor and <= 0.8x 16 MiB-bucket _broadcast_coalesced;")
     print("         peak extra memory <= 2 buckets")
 
 
