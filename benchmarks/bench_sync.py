@@ -117,7 +117,9 @@ def trim_heap() -> None:
 # The methods
 
 
-def make_methods(state: BenchState, flat: torch.Tensor, rank: int) -> dict[str, Callable[[], None]]:
+def make_methods(
+    state: BenchState | ModuleState, flat: torch.Tensor, rank: int
+) -> dict[str, Callable[[], None]]:
     world = dist.group.WORLD
 
     def floor() -> None:
