@@ -275,12 +275,14 @@ def worker(
 
 
 def report(results: list[dict], rounds: int, load_before: float) -> None:
-    bucket = _transport.BUCKET_BYTES
+    used = _transport.default_transport()
+    assert isinstance(used, _transport.BroadcastTransport)
+    bucket = used.bucket_bytes
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(
-        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}), BUCKET_BYTES "
-        f"{bucket / MiB:g} MiB, IN_FLIGHT {_transport.IN_FLIGHT}, DIRECT_BYTES "
-        f"{_transport.DIRECT_BYTES / MiB:g} MiB; medians of {rounds} interleaved rounds\n"
+        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}), bucket_bytes "
+        f"{bucket / MiB:g} MiB, in_flight {used.in_flight}, direct_bytes "
+        f"{used.direct_bytes / MiB:g} MiB; medians of {rounds} interleaved rounds\n"
     )
     print("| state | method | median ms | x floor | CPU ms, both ranks | receiver peak extra MiB |")
     print("|---|---|---:|---:|---:|---:|")

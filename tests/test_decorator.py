@@ -12,7 +12,8 @@ import torch
 
 import elastic
 from elastic import elastic_state
-from elastic._decorator import config_of, lineage, set_lineage
+from elastic._config import config_of
+from elastic._lineage import lineage, set_lineage
 
 
 @elastic_state(tenure="step")
@@ -158,30 +159,6 @@ def test_frozen_and_slotted_classes() -> None:
     assert lineage(n).token is None  # cannot be tracked weakly: never takes the fast path
     set_lineage(n, token="abc", torn=True)
     assert lineage(n).torn and elastic.tenure(n) is None  # but a torn mark is always kept
-
-
-def test_torn_state_has_no_tenure_and_lineage_is_per_instance() -> None:
-    a, b = Plain(step=5), Plain(step=5)
-    set_lineage(a, token="t1", torn=True)
-    assert elastic.tenure(a) is None
-    assert elastic.tenure(b) == 5
-    assert lineage(b).token is None
-    set_lineage(a, token="t2", torn=False)
-    assert elastic.tenure(a) == 5 and lineage(a).token == "t2"
-
-
-def test_lineage_is_dropped_with_the_instance() -> None:
-    from elastic import _decorator
-
-    s = Plain()
-    set_lineage(s, token="x", torn=False)
-    key = id(s)
-    assert key in _decorator._registry
-    del s
-    import gc
-
-    gc.collect()
-    assert key not in _decorator._registry
 
 
 def test_sync_without_process_group_is_local_and_calls_on_sync() -> None:

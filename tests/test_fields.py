@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 import elastic
-from elastic._decorator import saved_fields, synced_fields
+from elastic._config import saved_fields, synced_fields
 from elastic._fields import POLICY_KEY, FieldPolicy, policy_of
 
 

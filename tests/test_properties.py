@@ -32,8 +32,8 @@ class Box:
 def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> list[Any]:
     import elastic._transport as transport
 
-    transport.BUCKET_BYTES = 256  # tensors spanning buckets, many buckets
-    transport.DIRECT_BYTES = 64  # and some direct broadcasts
+    # tensors spanning buckets, many buckets, and some direct broadcasts
+    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=256, direct_bytes=64))
     from elastic._tree import kind_of
 
     out = []

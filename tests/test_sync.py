@@ -106,7 +106,8 @@ def _same(a: Any, b: Any) -> bool:
 def _election_and_kinds(rank: int, world: int) -> dict[str, Any]:
     import elastic._transport as transport
 
-    transport.BUCKET_BYTES = 64 * 1024  # several buckets even for this small state
+    # several buckets even for this small state
+    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=64 * 1024))
     State, calls = _state_class()
     # rank 0 is brand new (no state at all), rank 1 trained 2 steps, rank 2 trained 3 steps
     s = _build(rank, State, trained=rank > 0, steps=rank + 1)
@@ -288,7 +289,7 @@ def _torn(rank: int, world: int) -> dict[str, Any]:
 
     import elastic._transport as transport
 
-    transport.BUCKET_BYTES = 512  # about six buckets
+    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=512))  # about six buckets
     State, _ = _state_class()
     s = _build(rank, State, trained=True, steps=rank + 1)
     out: dict[str, Any] = {}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import elastic._transport as transport
 from dist_harness import run_on_ranks
-from elastic._transport import Bucket, byte_view, is_direct, plan_buckets
+from elastic._transport import BroadcastTransport, Bucket, byte_view, plan_buckets
 from elastic._tree import TensorMeta
 
 DTYPES = [
@@ -71,7 +71,7 @@ def _check_plan(metas: list[TensorMeta], direct: list[bool], buckets: list[Bucke
                 assert seg.at == 0  # a continued tensor opens its bucket
             end = seg.at + seg.length
         assert end == bucket.size
-        cap = transport._cap(k, remaining, bound)
+        cap = transport._cap(k, remaining, bound, transport.RAMP_MIN)
         assert bucket.size <= cap
         if k < len(buckets) - 1:
             assert cap - bucket.size < 16  # closed early only when the next tensor's alignment did not fit
@@ -144,10 +144,10 @@ def test_plan_buckets_ramps_the_first_and_last_buckets() -> None:
     assert [b.size / mib for b in plan_buckets(metas[:6], [False] * 6, 16 * mib)] == [2, 1]
 
 
-def test_plan_buckets_reads_the_module_bound_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_buckets_takes_the_bound_as_an_argument() -> None:
     metas = [_meta(0, (100,), torch.float32)]
-    monkeypatch.setattr(transport, "BUCKET_BYTES", 64)
-    assert [b.size for b in plan_buckets(metas, [False])] == [64] * 6 + [16]
+    assert [b.size for b in plan_buckets(metas, [False], 64)] == [64] * 6 + [16]
+    assert [b.size for b in plan_buckets(metas, [False])] == [400]  # the default bound: one bucket
     with pytest.raises(ValueError, match="bucket_bytes must be at least 1, got 0"):
         plan_buckets(metas, [False], 0)
 
@@ -192,16 +192,15 @@ def test_byte_view_rejects_tensors_whose_bytes_are_not_their_values() -> None:
         byte_view(torch.zeros(2, dtype=torch.complex64).conj())
 
 
-def test_is_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_is_direct() -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(transport, "DIRECT_BYTES", 400)
+    is_direct = BroadcastTransport(direct_bytes=400).is_direct
     assert is_direct(torch.zeros(100), cpu)  # 400 bytes: at the threshold
     assert not is_direct(torch.zeros(99), cpu)
     assert not is_direct(torch.zeros(20, 10).t(), cpu)  # large but not contiguous
     assert not is_direct(torch.zeros(100), torch.device("cuda", 0))  # not on the communication device
     assert not is_direct(torch.zeros(100, dtype=torch.complex64).conj(), cpu)
-    monkeypatch.setattr(transport, "DIRECT_BYTES", 4000)
-    assert not is_direct(torch.zeros(100), cpu)
+    assert not BroadcastTransport(direct_bytes=4000).is_direct(torch.zeros(100), cpu)
 
 
 def test_buffers_are_reused_and_can_be_released() -> None:
@@ -229,7 +228,7 @@ def test_buffers_are_reused_and_can_be_released() -> None:
 
 
 def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(source tensors, receiver targets) with DIRECT_BYTES = 1024 and BUCKET_BYTES = 256."""
+    """(source tensors, receiver targets) for direct_bytes = 1024 and bucket_bytes = 256."""
     g = torch.Generator().manual_seed(7)
     src = [
         torch.randn(600, generator=g),  # 0: direct, in place
@@ -247,7 +246,7 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         torch.randn(30, 40, generator=g),  # 12: direct at the source, non-contiguous target: staged
         torch.randn(30, 40, generator=g),  # 13: the same, right after (one temporary at a time)
         torch.randn(4, generator=g, dtype=torch.complex64).conj(),  # 14: lazy conjugate at the source
-        torch.randn(512, generator=g, dtype=torch.float16),  # 15: direct, exactly DIRECT_BYTES
+        torch.randn(512, generator=g, dtype=torch.float16),  # 15: direct, exactly direct_bytes
         torch.randn(13, generator=g, dtype=torch.float16),  # 16: odd byte count
         torch.randn(3, 4, generator=g),  # 17: non-contiguous target inside one bucket
         torch.randn(5, generator=g, dtype=torch.complex128),  # 18: a parameter target (16-byte alignment)
@@ -276,26 +275,28 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
     import elastic._transport as transport
     from elastic._comm import Comm
 
-    transport.BUCKET_BYTES = 256
-    transport.DIRECT_BYTES = 1024
     comm = Comm(None, timedelta(seconds=20), "test")
     cpu = torch.device("cpu")
     out: dict[str, Any] = {}
+    chosen = transport.BroadcastTransport()
 
     def run(tag: str, src: list[torch.Tensor], targets: list[torch.Tensor]) -> list[str]:
         errors: list[str] = []
         metas = [TensorMeta(("t", i), tuple(t.shape), t.dtype, "cpu") for i, t in enumerate(src)]
-        direct = [is_direct(t, cpu) for t in src]
+        direct = chosen.plan(src, comm)
         if rank == 0:
-            transport.send_tensors(comm, 0, src, direct, metas, lambda e: errors.append(repr(e)))
+            chosen.send(comm, 0, src, metas, direct, lambda e: errors.append(repr(e)))
         else:
-            transport.receive_tensors(comm, 0, targets, direct, metas, lambda e: errors.append(repr(e)))
+            chosen.receive(comm, 0, targets, metas, direct, lambda e: errors.append(repr(e)))
         out[f"{tag} direct"] = direct
         return errors
 
     for depth in (1, 2, 3):
-        transport.IN_FLIGHT = depth
-        transport._RAMP_MIN = 1 if depth == 2 else 4096  # depth 2: first and last buckets ramp (32 bytes up)
+        # depth 2: first and last buckets ramp (32 bytes up)
+        ramp = 1 if depth == 2 else 4096
+        chosen = transport.BroadcastTransport(
+            bucket_bytes=256, direct_bytes=1024, in_flight=depth, ramp_min=ramp
+        )
         src, targets = _tensors(rank)
         before = [t.clone() for t in src]
         ptrs = [t.data_ptr() for t in targets]
@@ -321,7 +322,6 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
             out[f"parameter kept {depth}"] = (
                 isinstance(targets[18], torch.nn.Parameter) and targets[18].requires_grad
             )
-    transport._RAMP_MIN = 4096
     out["cached"] = [b.data_ptr() for b in transport._buffers[cpu]]
     src, targets = _tensors(rank)
     run("again", src, targets)
@@ -358,7 +358,7 @@ def test_transfer_on_two_ranks() -> None:
         assert receiver[f"wrong values {depth}"] == []
         assert receiver[f"moved storage {depth}"] == []
         assert receiver[f"noncontiguous kept {depth}"] and receiver[f"parameter kept {depth}"]
-    # the bucket buffers are reused from one transfer to the next (IN_FLIGHT 3: three of them)
+    # the bucket buffers are reused from one transfer to the next (in_flight 3: three of them)
     assert len(receiver["cached"]) == 3 and receiver["cached again"] == receiver["cached"]
     assert len(source["cached"]) == 3 and source["cached again"] == source["cached"]
     # a receiver failing at bucket 1: it reports, keeps receiving, the source notices nothing
@@ -372,3 +372,66 @@ def test_transfer_on_two_ranks() -> None:
     assert source["fault 1:direct 1"] == []
     assert len(receiver["fault 1:direct 1"]) == 1 and "rank 1 at direct 1" in receiver["fault 1:direct 1"][0]
     assert source["after faults"] == [] and receiver["after faults"] == [] and receiver["after faults values"]
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The transport seam
+
+
+def test_broadcast_transport_takes_its_sizes_as_arguments() -> None:
+    default = BroadcastTransport()
+    assert (default.bucket_bytes, default.direct_bytes, default.in_flight) == (16 * 2**20, 2 * 2**20, 2)
+    assert isinstance(default, transport.Transport)
+    small = BroadcastTransport(bucket_bytes=64, direct_bytes=8, in_flight=3)
+    assert (small.bucket_bytes, small.direct_bytes, small.in_flight) == (64, 8, 3)
+    for bad in ({"bucket_bytes": 0}, {"in_flight": 0}, {"direct_bytes": -1}, {"bucket_bytes": 1.5}):
+        name = next(iter(bad))
+        with pytest.raises(
+            ValueError, match=rf"BroadcastTransport\({name}=\.\.\.\) must be an int of at least"
+        ):
+            BroadcastTransport(**bad)  # type: ignore[arg-type]
+
+
+def test_default_transport_can_be_replaced() -> None:
+    mine = BroadcastTransport(bucket_bytes=1024)
+    previous = transport.set_default_transport(mine)
+    try:
+        assert transport.default_transport() is mine
+        with pytest.raises(TypeError, match="set_default_transport\\(\\) needs a Transport"):
+            transport.set_default_transport(object())  # type: ignore[arg-type]
+        assert transport.default_transport() is mine
+    finally:
+        assert transport.set_default_transport(previous) is mine
+    assert transport.default_transport() is previous
+
+
+def test_device_for_follows_the_placement() -> None:
+    from elastic._comm import Comm
+    from elastic._placement import Placement
+
+    comm = Comm.__new__(Comm)
+    comm.placement = Placement(torch.device("cpu"))
+    chosen = BroadcastTransport()
+    assert chosen.device_for(_meta(0, (2,), torch.float32), comm) == torch.device("cpu")
+    assert chosen.device_for(TensorMeta(("t", 1), (2,), torch.float32, "meta"), comm) == torch.device("cpu")
+
+
+def test_public_fallbacks_match_the_private_torch_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    like = [torch.zeros(2, 3), torch.zeros(()), torch.zeros(0, 4), torch.zeros(4)]
+    flat = torch.arange(11, dtype=torch.float32)
+    fast = list(torch._C._nn.unflatten_dense_tensors(flat, like))
+    slow = transport.unflatten_public(flat, like)
+    assert [t.shape for t in slow] == [t.shape for t in fast] == [(2, 3), (), (0, 4), (4,)]
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    assert slow[0].data_ptr() == flat.data_ptr()  # views, not copies
+    dests, srcs = [torch.zeros(3), torch.zeros(2, 2).t()], [torch.ones(3), torch.arange(4.0).view(2, 2)]
+    transport.copy_all_public(dests, srcs)
+    assert torch.equal(dests[0], srcs[0]) and torch.equal(dests[1], srcs[1])
+    # with the private calls missing, the transport's helpers give the same results
+    monkeypatch.setattr(transport, "_UNFLATTEN", transport.unflatten_public)
+    monkeypatch.setattr(transport, "_FOREACH_COPY", transport.copy_all_public)
+    views = transport._unflatten(flat, like)
+    assert all(torch.equal(a, b) for a, b in zip(views, fast))
+    dests = [torch.zeros(3), torch.zeros(2)]
+    transport._copy_all(dests, [torch.ones(3), torch.full((2,), 2.0)])
+    assert dests[0].tolist() == [1.0] * 3 and dests[1].tolist() == [2.0, 2.0]

@@ -23,8 +23,7 @@ from ._process_group import init_process_group
 from ._spawn import spawn
 from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
 from ._verify import verify
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "CheckpointCorruptError",
@@ -52,4 +51,5 @@ __all__ = [
     "sync",
     "tenure",
     "verify",
+    "__version__",
 ]

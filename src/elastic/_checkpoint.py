@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -27,15 +27,8 @@ import torch
 
 from . import _ckpt_read as _r
 from . import _ckpt_write as _w
-from ._comm import Comm
-from ._decorator import (
-    StateConfig,
-    as_timedelta,
-    config_of,
-    is_elastic_state,
-    lineage,
-    saved_fields,
-)
+from ._collective import Collective
+from ._config import StateConfig, config_of, is_elastic_state, saved_fields
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -43,15 +36,17 @@ from ._errors import (
     TenureError,
     UntrustedCheckpointError,
 )
+from ._lineage import lineage
 from ._manifest import (
     InvalidCheckpoint,
-    check_saveable_tenure,
     is_checkpoint_dir,
     scan,
     skipped,
     validate,
 )
-from ._sync import elect, run_sync
+from ._sync import sync_in
+from ._tenure import Incomparable, check_saveable, current, elect, exceeds, greater
+from ._timeouts import as_timedelta
 from ._tree import (
     kind_of,
 )
@@ -89,25 +84,6 @@ class LoadReport:
     saved_world_size: int | None = None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The group of one call
-
-
-class _Group:
-    """The collectives of one call, or their single-process stand-ins (no group, or a world of one)."""
-
-    def __init__(self, group: Any, deadline: timedelta | None, op: str) -> None:
-        self.comm = Comm.of(group, deadline, op)
-        self.rank = self.comm.rank if self.comm is not None else 0
-        self.world = self.comm.world_size if self.comm is not None else 1
-
-    def gather(self, obj: Any, phase: str) -> list[Any]:
-        """Every rank's `obj` in rank order (cloudpickled records of trusted peers)."""
-        if self.comm is None:
-            return [obj]
-        return [cloudpickle.loads(r) for r in self.comm.all_gather_bytes(cloudpickle.dumps(obj), phase)]
-
-
 def _as_path(path: Any, op: str) -> Path:
     try:
         return Path(os.fspath(path))
@@ -129,33 +105,6 @@ def _node_id() -> str:
     return f"group-rank {group_rank}" if group_rank not in (None, "") else f"host {socket.gethostname()}"
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _gt(a: Any, b: Any, what_a: str, what_b: str, op: str) -> bool:
-    """Whether tenure `a` is strictly greater than `b` (`None` least); `TenureError` if incomparable."""
-    if a is None:
-        return False
-    if b is None:
-        return True
-    if type(a) is not type(b) and not (_is_number(a) and _is_number(b)):
-        raise _incomparable(a, b, what_a, what_b, op)
-    try:
-        return bool(a > b)
-    except TypeError:
-        raise _incomparable(a, b, what_a, what_b, op) from None
-
-
-def _incomparable(a: Any, b: Any, what_a: str, what_b: str, op: str) -> TenureError:
-    msg = (
-        f"{op}: the tenure {a!r} of {what_a} cannot be compared with the tenure {b!r} of {what_b}; "
-        "tenures must be of one orderable type (remove checkpoints of another run from the directory, or "
-        "make the tenure callable return the same type as before)"
-    )
-    return TenureError(msg)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # save
 
@@ -169,14 +118,20 @@ class _SaveRecord:
 
 def _save_record(state: Any, config: StateConfig, scope: str) -> _SaveRecord:
     node = _node_id() if scope == "node" else ""
-    if lineage(state).torn:
+    line = lineage(state)
+    if line.torn:
         return _SaveRecord(tenure=None, node=node)
     try:
-        value = config.tenure(state)
+        value = current(state, config, line)
         cloudpickle.dumps(value)
     except Exception as exc:
         return _SaveRecord(node=node, error=f"{type(exc).__name__}: {exc}")
     return _SaveRecord(tenure=value, node=node)
+
+
+def _save_failure(rank: int, error: str) -> TenureError:
+    msg = f"save: on rank {rank} the tenure callable failed ({error}); fix it to return an orderable value"
+    return TenureError(msg)
 
 
 def _conclude(outcomes: Sequence[_w.Outcome | None], mine: int, world: int) -> Path:
@@ -203,7 +158,7 @@ class SaveHandle:
     whether this rank's part is finished. The next `save` waits for this one first.
     """
 
-    def __init__(self, group: _Group, mine: int, job: _w.Job | None, error: _w.Outcome | None) -> None:
+    def __init__(self, group: Collective, mine: int, job: _w.Job | None, error: _w.Outcome | None) -> None:
         self._group = group
         self._mine = mine
         self._outcome: _w.Outcome | None = error
@@ -330,6 +285,23 @@ def save(
     """
     config = config_of(state, "elastic.save()")
     root = _as_path(path, "save")
+    _check_save_options(keep, blocking, scope)
+    deadline = as_timedelta(timeout, "save")
+    _settle_inflight()
+    g = Collective.of(group, deadline, "save")
+    records = g.gather_checked(_save_record(state, config, scope), "save-elect", _save_failure)
+    tenures = [rec.tenure for rec in records]
+    best = elect(tenures, "save")
+    top = _saveable_top(tenures[best])
+    mine, writers = _writers(state, config, g, scope, records, best)
+    job, failure = _prepare_write(state, g, root, keep, top, writers, stage=not blocking)
+    if blocking:
+        outcome = _w.run_job(job) if job is not None else failure
+        return _conclude(g.gather(outcome, "save-commit"), mine, g.world)
+    return _write_in_background(g, mine, job, failure)
+
+
+def _check_save_options(keep: Any, blocking: Any, scope: Any) -> None:
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         msg = f"save(keep=...) must be a positive int (or None to keep every checkpoint), got {keep!r}"
         raise ValueError(msg) from None
@@ -337,55 +309,61 @@ def save(
     if scope not in ("global", "node", "rank"):
         msg = f"save(scope=...) must be 'global', 'node' or 'rank', got {scope!r}"
         raise ValueError(msg) from None
-    deadline = as_timedelta(timeout, "save")
-    _settle_inflight()
-    g = _Group(group, deadline, "save")
-    records: list[_SaveRecord] = g.gather(_save_record(state, config, scope), "save-elect")
-    for rank, rec in enumerate(records):
-        if rec.error is not None:
-            msg = (
-                f"save: on rank {rank} the tenure callable failed ({rec.error}); "
-                "fix it to return an orderable value"
-            )
-            raise TenureError(msg) from None
-    tenures = [rec.tenure for rec in records]
-    best = elect(tenures, "save")
-    top = tenures[best]
+
+
+def _saveable_top(top: Any) -> Any:
+    """The elected tenure, if there is a state to save and a manifest can hold its tenure."""
     if top is None:
         msg = (
             "save: no rank holds a state to save: every tenure is None (fresh states, or torn by a failed "
             "sync). Load or train first, or make the tenure callable return a value"
         )
         raise CheckpointError(msg) from None
-    check_saveable_tenure(top)
-    if scope == "global":
-        mine, writers = best, {best}
-    else:
-        nodes = [rec.node for rec in records] if scope == "node" else [str(r) for r in range(g.world)]
-        members: dict[str, list[int]] = {}
-        for rank, node in enumerate(nodes):
-            members.setdefault(node, []).append(rank)
-        leaders = {node: rs[elect([tenures[r] for r in rs], "save")] for node, rs in members.items()}
-        behind = [n for n, r in leaders.items() if _gt(top, tenures[r], f"rank {best}", f"rank {r}", "save")]
-        if behind:
-            log.info("save: %s behind the most tenured state; syncing before the node-local save", behind)
-            run_sync(state, group=group, timeout=deadline, op="save")
-            leaders = {node: min(rs) for node, rs in members.items()}
-        mine, writers = leaders[nodes[g.rank]], set(leaders.values())
+    check_saveable(top)
+    return top
 
-    job: _w.Job | None = None
-    failure: _w.Outcome | None = None
-    if g.rank in writers:
-        try:
-            job = _w.prepare(state, root, keep, g.rank, g.world, top, stage=not blocking)
-        except Exception as exc:
-            failure = _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(root))
-    if blocking:
-        outcome = _w.run_job(job) if job is not None else failure
-        outcomes = g.gather(outcome, "save-commit")
-        return _conclude(outcomes, mine, g.world)
-    handle = SaveHandle(g, mine, job, failure)
+
+def _writers(
+    state: Any, config: StateConfig, g: Collective, scope: str, records: Sequence[_SaveRecord], best: int
+) -> tuple[int, set[int]]:
+    """The rank whose checkpoint this rank reports, and every writing rank.
+
+    ``global``: the most tenured rank. ``node``/``rank``: the most tenured rank of each node (each rank),
+    after a sync when some node is behind (then the lowest rank of each node writes)."""
+    if scope == "global":
+        return best, {best}
+    tenures = [rec.tenure for rec in records]
+    nodes = [rec.node for rec in records] if scope == "node" else [str(r) for r in range(g.world)]
+    members: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        members.setdefault(node, []).append(rank)
+    leaders = {node: rs[elect([tenures[r] for r in rs], "save")] for node, rs in members.items()}
+    top = tenures[best]
+    behind = [n for n, r in leaders.items() if exceeds(top, tenures[r], f"rank {best}", f"rank {r}", "save")]
+    if behind:
+        log.info("save: %s behind the most tenured state; syncing before the node-local save", behind)
+        sync_in(state, config, g, op="save")
+        leaders = {node: min(rs) for node, rs in members.items()}
+    return leaders[nodes[g.rank]], set(leaders.values())
+
+
+def _prepare_write(
+    state: Any, g: Collective, root: Path, keep: int | None, top: Any, writers: set[int], stage: bool
+) -> tuple[_w.Job | None, _w.Outcome | None]:
+    """A writer's job (tensors staged to CPU when `stage`), or the outcome saying why it has none."""
+    if g.rank not in writers:
+        return None, None
+    try:
+        return _w.prepare(state, root, keep, g.rank, g.world, top, stage=stage), None
+    except Exception as exc:
+        return None, _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(root))
+
+
+def _write_in_background(
+    g: Collective, mine: int, job: _w.Job | None, failure: _w.Outcome | None
+) -> SaveHandle:
     global _inflight
+    handle = SaveHandle(g, mine, job, failure)
     with _inflight_lock:
         _inflight = handle
     return handle
@@ -430,7 +408,7 @@ class _LoadRecord:
 
 def _load_record(state: Any, config: StateConfig, root: Path) -> _LoadRecord:
     try:
-        value = None if lineage(state).torn else config.tenure(state)
+        value = current(state, config, lineage(state))
         cloudpickle.dumps(value)
     except Exception as exc:
         return _LoadRecord(error=("tenure", f"{type(exc).__name__}: {exc}"))
@@ -461,9 +439,64 @@ def _best_candidate(records: Sequence[_LoadRecord], excluded: set[tuple[int, int
                 best = (rank, i)
                 continue
             cur = records[best[0]].seen[best[1]]
-            if _gt(seen.tenure, cur.tenure, seen.path, cur.path, "load"):
+            if exceeds(seen.tenure, cur.tenure, seen.path, cur.path, "load"):
                 best = (rank, i)
     return best
+
+
+def _scan_failure(world: int) -> Callable[[int, tuple[str, str]], CheckpointError | TenureError]:
+    def fail(rank: int, error: tuple[str, str]) -> CheckpointError | TenureError:
+        kind, text = error
+        where = "" if world == 1 else f" on rank {rank}"
+        if kind == "tenure":
+            msg = (
+                f"load: the tenure callable failed{where} ({text}); make it return an orderable value or None"
+            )
+            return TenureError(msg)
+        return CheckpointError(f"load: {text}{where}")
+
+    return fail
+
+
+class _Search:
+    """Load's search for the checkpoint to read: the most tenured one left, while it beats memory."""
+
+    def __init__(self, records: Sequence[_LoadRecord]) -> None:
+        self.records = records
+        self.memory = [rec.tenure for rec in records]
+        self.mem_best = elect(self.memory, "load")
+        self.corrupt = [c for rec in records for c in rec.corrupt]
+        self.excluded: set[tuple[int, int]] = set()
+
+    def seen(self, choice: tuple[int, int]) -> _Seen:
+        return self.records[choice[0]].seen[choice[1]]
+
+    def next(self) -> tuple[int, int] | None:
+        """(reader, index) of the best remaining checkpoint if it is strictly more tenured than every
+        in-memory state, else `None` (then memory wins)."""
+        choice = _best_candidate(self.records, self.excluded)
+        if choice is None:
+            return None
+        seen, mem = self.seen(choice), self.mem_best
+        if not exceeds(
+            seen.tenure, self.memory[mem], f"checkpoint {seen.path}", f"rank {mem}'s state", "load"
+        ):
+            return None
+        return choice
+
+    def expendable(self, choice: tuple[int, int]) -> bool:
+        return _expendable(self.records, self.memory, choice[0], choice, self.excluded)
+
+    def lost_memory(self, reader: int) -> None:
+        """The reader's own state is gone (torn): it can no longer win the election."""
+        self.memory[reader] = None
+        self.mem_best = elect(self.memory, "load")
+
+    def skip(self, choice: tuple[int, int], message: str) -> None:
+        """The checkpoint is corrupt: never choose it again (and report it if it was named alone)."""
+        self.excluded.add(choice)
+        if self.records[choice[0]].single:
+            self.corrupt.append(message)
 
 
 def load(
@@ -495,86 +528,74 @@ def load(
     root = _as_path(path, "load")
     _check_bool(trusted, "trusted", "load")
     _check_bool(strict, "strict", "load")
-    deadline = as_timedelta(timeout, "load")
-    g = _Group(group, deadline, "load")
-    records: list[_LoadRecord] = g.gather(_load_record(state, config, root), "load-scan")
-    for rank, rec in enumerate(records):
-        if rec.error is None:
-            continue
-        kind, text = rec.error
-        where = "" if g.world == 1 else f" on rank {rank}"
-        if kind == "tenure":
-            msg = (
-                f"load: the tenure callable failed{where} ({text}); make it return an orderable value or None"
-            )
-            raise TenureError(msg) from None
-        raise CheckpointError(f"load: {text}{where}") from None
-    memory = [rec.tenure for rec in records]
-    mem_best = elect(memory, "load")
-    corrupt = [c for rec in records for c in rec.corrupt]
-    excluded: set[tuple[int, int]] = set()
-    while True:
-        choice = _best_candidate(records, excluded)
-        if choice is None:
-            break
-        reader, index = choice
-        seen = records[reader].seen[index]
-        if not _gt(
-            seen.tenure, memory[mem_best], f"checkpoint {seen.path}", f"rank {mem_best}'s state", "load"
-        ):
-            break
-        status = None
-        if g.rank == reader:
-            stream = _expendable(records, memory, reader, choice, excluded)
-            status = _r.read(state, Path(seen.path), trusted, strict, stream)
-        statuses: list[_r.Status | None] = g.gather(status, "load-read")
-        verdict = statuses[reader]
-        assert verdict is not None
-        if verdict.torn:  # the reader's own state is gone: it can no longer win the election
-            memory[reader] = None
-            mem_best = elect(memory, "load")
+    g = Collective.of(group, as_timedelta(timeout, "load"), "load")
+    records = g.gather_checked(_load_record(state, config, root), "load-scan", _scan_failure(g.world))
+    search = _Search(records)
+    while (choice := search.next()) is not None:
+        reader = choice[0]
+        verdict = _read_on_reader(state, g, search, choice, trusted, strict)
+        if verdict.torn:
+            search.lost_memory(reader)
         if verdict.kind == "ok":
-            report = run_sync(
-                state, group=group, src=reader, force=True, timeout=deadline, op="load", notify=False
-            )
-            if config.on_sync is not None:
-                config.on_sync(state, report)
-            log.info(
-                "load: rank %d read %s (tenure %r, written by %d ranks)",
-                reader,
-                seen.path,
-                report.tenure,
-                seen.world_size,
-            )
-            return LoadReport(
-                source="checkpoint",
-                src=reader,
-                tenure=report.tenure,
-                path=Path(seen.path),
-                world_size=g.world,
-                saved_world_size=seen.world_size,
-            )
-        if verdict.kind == "corrupt":
-            excluded.add(choice)
-            if records[reader].single:
-                corrupt.append(verdict.message)
-            if g.rank != reader:
-                log.warning("load: rank %d found %s", reader, verdict.message)
-            continue
-        where = "" if g.world == 1 else f" (read by rank {reader})"
-        error: type[CheckpointError] = {
-            "untrusted": UntrustedCheckpointError,
-            "mismatch": CheckpointMismatchError,
-        }.get(verdict.kind, CheckpointError)
-        raise error(f"load: {verdict.message}{where}") from None
-    if corrupt:
+            return _share_checkpoint(state, config, g, reader, search.seen(choice))
+        if verdict.kind != "corrupt":
+            raise _read_error(verdict, reader, g.world)
+        search.skip(choice, verdict.message)
+        if g.rank != reader:
+            log.warning("load: rank %d found %s", reader, verdict.message)
+    if search.corrupt:
         msg = (
-            f"load: the checkpoint {root} is corrupt or incomplete: {'; '.join(corrupt)}. Load from its "
-            "parent directory to fall back to the next checkpoint, or restore the files"
+            f"load: the checkpoint {root} is corrupt or incomplete: {'; '.join(search.corrupt)}. Load from "
+            "its parent directory to fall back to the next checkpoint, or restore the files"
         )
         raise CheckpointCorruptError(msg) from None
-    report = run_sync(state, group=group, timeout=deadline, op="load")
+    report = sync_in(state, config, g, op="load")
     return LoadReport(source="memory", src=report.src, tenure=report.tenure, path=None, world_size=g.world)
+
+
+def _read_on_reader(
+    state: Any, g: Collective, search: _Search, choice: tuple[int, int], trusted: bool, strict: bool
+) -> _r.Status:
+    """The reader reads, verifies and applies the checkpoint; every rank learns its verdict."""
+    reader = choice[0]
+    status = None
+    if g.rank == reader:
+        path = Path(search.seen(choice).path)
+        status = _r.read(state, path, trusted, strict, search.expendable(choice))
+    verdict = g.gather(status, "load-read")[reader]
+    assert verdict is not None  # the reader always reports
+    return verdict
+
+
+def _share_checkpoint(state: Any, config: StateConfig, g: Collective, reader: int, seen: _Seen) -> LoadReport:
+    """The reader holds the checkpoint: broadcast it to every rank, then run `on_sync`."""
+    report = sync_in(state, config, g, src=reader, force=True, op="load", notify=False)
+    if config.on_sync is not None:
+        config.on_sync(state, report)
+    log.info(
+        "load: rank %d read %s (tenure %r, written by %d ranks)",
+        reader,
+        seen.path,
+        report.tenure,
+        seen.world_size,
+    )
+    return LoadReport(
+        source="checkpoint",
+        src=reader,
+        tenure=report.tenure,
+        path=Path(seen.path),
+        world_size=g.world,
+        saved_world_size=seen.world_size,
+    )
+
+
+def _read_error(verdict: _r.Status, reader: int, world: int) -> CheckpointError:
+    where = "" if world == 1 else f" (read by rank {reader})"
+    error: type[CheckpointError] = {
+        "untrusted": UntrustedCheckpointError,
+        "mismatch": CheckpointMismatchError,
+    }.get(verdict.kind, CheckpointError)
+    return error(f"load: {verdict.message}{where}")
 
 
 def load_method(
@@ -615,8 +636,8 @@ def _expendable(
         if (r, i) != choice and (r, i) not in excluded
     ]
     try:
-        return any(not _gt(mine, t, "memory", "another state", "load") for t in others if t is not None)
-    except TenureError:
+        return any(not greater(mine, t) for t in others if t is not None)
+    except Incomparable:
         return False
 
 

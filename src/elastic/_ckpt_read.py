@@ -32,7 +32,8 @@ from ._ckpt_format import (
     one_torch_thread,
     slot_paths,
 )
-from ._decorator import lineage, saved_fields, set_lineage
+from ._config import saved_fields
+from ._lineage import lineage, set_lineage
 from ._manifest import InvalidCheckpoint, skipped, validate
 from ._tree import (
     ContainerNode,

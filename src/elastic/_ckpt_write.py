@@ -40,7 +40,7 @@ from ._ckpt_format import (
     write_content,
 )
 from ._comm import fault_point
-from ._decorator import saved_fields
+from ._config import saved_fields
 from ._manifest import build_manifest, dir_name, is_checkpoint_dir, manifest_bytes, scan, tenure_to_json
 from ._tree import flatten, kind_of
 
@@ -137,17 +137,18 @@ def stage_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     with _staging_lock, one_torch_thread():
         old = _staging
         out: list[torch.Tensor] = []
-        cuda = False
+        devices: set[torch.device] = set()  # every device with a copy in flight, not only the current one
         for i, t in enumerate(tensors):
             pin = t.device.type == "cuda" and torch.cuda.is_available()
-            cuda = cuda or t.device.type == "cuda"
+            if pin:
+                devices.add(t.device)
             buf = old[i] if i < len(old) else None
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             buf.copy_(t.detach(), non_blocking=pin)
             out.append(buf)
-        if cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        for device in devices:  # the writer thread reads these buffers: every copy must have landed
+            torch.cuda.synchronize(device)
         _staging = out
         return out
 

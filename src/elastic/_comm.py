@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import SyncError
+from ._placement import Placement
 
 __all__ = ["Comm", "FaultInjected", "fault_point", "ranks_str", "tensor_bytes"]
 
@@ -57,10 +58,8 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        if self.backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.placement = Placement.for_backend(self.backend)
+        self.device = self.placement.device
 
     @classmethod
     def of(cls, group: Any, timeout: timedelta | None, op: str) -> Comm | None:
@@ -87,9 +86,12 @@ class Comm:
             else:
                 work.wait(self.timeout)
         except Exception as exc:
-            raise self.failure(phase, exc) from None
+            raise self.failure(phase, exc) from exc
 
     def failure(self, phase: str, exc: BaseException) -> SyncError:
+        """A `SyncError` naming `phase`, this rank and the first line of torch's error.
+
+        Raise it ``from exc``: torch's full error (stack, backend details) stays the cause."""
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "timed out" in text.lower() or "timeout" in text.lower():
             limit = f"{self.timeout.total_seconds():g}s" if self.timeout else "the group's timeout"
@@ -110,7 +112,7 @@ class Comm:
         try:
             work = fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:
-            raise self.failure(phase, exc) from None
+            raise self.failure(phase, exc) from exc
         self.wait(work, phase)
         return work
 
@@ -119,7 +121,7 @@ class Comm:
         try:
             return fn(*args, group=self.group, async_op=True, **kwargs)
         except Exception as exc:
-            raise self.failure(phase, exc) from None
+            raise self.failure(phase, exc) from exc
 
     # -----------------------------------------------------------------------------------------------
     def all_gather_bytes(self, data: bytes, phase: str) -> list[bytes]:
@@ -130,7 +132,7 @@ class Comm:
         first[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
         if len(data) <= room and data:
             first[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        first = first.to(self.device)
+        first = self.placement.stage(first)
         out = [torch.empty_like(first) for _ in range(self.world_size)]
         self.run(phase, dist.all_gather, out, first)
         rows = [tensor_bytes(t) for t in out]
@@ -141,7 +143,7 @@ class Comm:
         second = torch.zeros(longest, dtype=torch.uint8)
         if data:
             second[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        second = second.to(self.device)
+        second = self.placement.stage(second)
         out2 = [torch.empty_like(second) for _ in range(self.world_size)]
         self.run(phase, dist.all_gather, out2, second)
         return [tensor_bytes(t)[:n] for t, n in zip(out2, sizes)]
@@ -160,7 +162,7 @@ class Comm:
                 if n
                 else torch.empty(0, dtype=torch.uint8)
             )
-            buf = buf.to(self.device)
+            buf = self.placement.stage(buf)
         else:
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n:

@@ -1,47 +1,33 @@
-"""`@elastic_state`: the class decorator, its per-class configuration and the per-instance lineage."""
+"""`@elastic_state`: the class decorator, which checks its arguments and attaches the state's methods."""
 
 from __future__ import annotations
 
 import inspect
-import threading
 import types
 import warnings
-import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import attrs
 
+from . import _checkpoint, _sync
+from ._config import CONFIG_ATTR, StateConfig
 from ._fields import policy_of
 
-__all__ = [
-    "CONFIG_ATTR",
-    "StateConfig",
-    "config_of",
-    "elastic_state",
-    "is_elastic_state",
-    "lineage",
-    "set_lineage",
-    "synced_fields",
-    "saved_fields",
-]
+__all__ = ["elastic_state"]
 
 C = TypeVar("C", bound=type)
 
-#: The class attribute holding a decorated class's `StateConfig`.
-CONFIG_ATTR = "__elastic_state__"
-
 _MISSING: Any = object()
 
-
-@attrs.frozen
-class StateConfig:
-    """What `@elastic_state(...)` was given, checked."""
-
-    tenure: Callable[[Any], Any]
-    tenure_field: str | None
-    on_sync: Callable[[Any, Any], Any] | None
+#: The methods the decorator adds to a class that does not define them itself.
+_METHODS: dict[str, Callable[..., Any]] = {
+    "sync": _sync.sync_method,
+    "save": _checkpoint.save_method,
+    "load": _checkpoint.load_method,
+    "state_dict": _checkpoint.state_dict_method,
+    "load_state_dict": _checkpoint.load_state_dict_method,
+}
 
 
 def elastic_state(
@@ -128,7 +114,7 @@ def _build(cls: Any, tenure: Callable[[Any], Any] | str, on_sync: Callable[..., 
         tenure_fn, tenure_field = tenure, None
     _warn_without_fast_path(cls, tenure_fn, tenure_field)
     setattr(cls, CONFIG_ATTR, StateConfig(tenure=tenure_fn, tenure_field=tenure_field, on_sync=on_sync))
-    for name, method in _methods().items():
+    for name, method in _METHODS.items():
         if not hasattr(cls, name):
             _attach(cls, name, method)
     return cls
@@ -191,118 +177,3 @@ def _attach(cls: type, name: str, method: Callable[..., Any]) -> None:
     fn.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
     fn.__wrapped__ = method  # type: ignore[attr-defined]
     setattr(cls, name, fn)
-
-
-def _methods() -> dict[str, Callable[..., Any]]:
-    from . import _checkpoint, _sync  # the decorator is imported first; these import it
-
-    return {
-        "sync": _sync.sync_method,
-        "save": _checkpoint.save_method,
-        "load": _checkpoint.load_method,
-        "state_dict": _checkpoint.state_dict_method,
-        "load_state_dict": _checkpoint.load_state_dict_method,
-    }
-
-
-def is_elastic_state(obj: Any) -> bool:
-    """Whether `obj` is an instance of an `@elastic_state` class."""
-    return isinstance(getattr(type(obj), CONFIG_ATTR, None), StateConfig) and not isinstance(obj, type)
-
-
-def config_of(state: Any, what: str = "this call") -> StateConfig:
-    """The `StateConfig` of a state instance, or a `TypeError` that says how to fix the call."""
-    config = getattr(type(state), CONFIG_ATTR, None)
-    if not isinstance(config, StateConfig) or isinstance(state, type):
-        msg = (
-            f"{what} needs an instance of an @elastic_state class, got {type(state).__qualname__} "
-            f"{_short(state)}; decorate the class with @elastic_state(tenure=...) and pass an instance"
-        )
-        raise TypeError(msg) from None
-    return config
-
-
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def synced_fields(cls: type) -> list[attrs.Attribute]:
-    """The attrs fields of `cls` that `sync` moves, in definition order."""
-    return [a for a in attrs.fields(cls) if policy_of(a).sync]
-
-
-def saved_fields(cls: type) -> list[attrs.Attribute]:
-    """The attrs fields of `cls` that checkpoints hold, in definition order."""
-    return [a for a in attrs.fields(cls) if policy_of(a).save]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Lineage: the id of the last successful sync or load a state took part in, and whether it is torn.
-# Kept outside the instance (a weak registry) so that frozen and slotted classes need no extra slot and a
-# copied or pickled state never carries a lineage it did not earn.
-
-
-@attrs.frozen
-class Lineage:
-    token: str | None = None
-    torn: bool = False
-
-
-_FRESH = Lineage()
-_lock = threading.Lock()
-_registry: dict[int, tuple[Callable[[], Any], Lineage]] = {}
-
-
-def lineage(state: Any) -> Lineage:
-    """The lineage of `state` (fresh for a state that never synced)."""
-    with _lock:
-        entry = _registry.get(id(state))
-    if entry is None or entry[0]() is not state:
-        return _FRESH
-    return entry[1]
-
-
-def set_lineage(state: Any, *, token: str | None, torn: bool) -> None:
-    """Record the lineage of `state`.
-
-    A state that cannot be weakly referenced (a slotted class with `weakref_slot=False`) never gets a
-    token, so it always takes the full sync; its torn mark is kept with a strong reference.
-    """
-    key = id(state)
-    getter: Callable[[], Any]
-
-    def gone(ref: Any) -> None:
-        _drop(key, ref)
-
-    try:
-        getter = weakref.ref(state, gone)
-    except TypeError:
-        token = None
-        if not torn:
-            with _lock:
-                _registry.pop(key, None)
-            return
-
-        def getter(state: Any = state) -> Any:
-            return state
-
-    with _lock:
-        _registry[key] = (getter, Lineage(token=token, torn=torn))
-
-
-def _drop(key: int, ref: Any) -> None:
-    with _lock:
-        entry = _registry.get(key)
-        if entry is not None and entry[0] is ref:
-            del _registry[key]
-
-
-def as_timedelta(timeout: timedelta | float | None, what: str) -> timedelta | None:
-    """`None`, seconds or a `timedelta`, as a `timedelta`; anything else is a `TypeError`."""
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return timedelta(seconds=float(timeout))
-    msg = f"{what}(timeout=...) must be a timedelta or a positive number of seconds, got {timeout!r}"
-    raise TypeError(msg) from None

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from ._ckpt_format import CONTENT, HASH, MANIFEST, OBJECTS, TREE_KEY
+from ._tenure import order_key
 
 __all__ = [
     "FORMAT",
@@ -30,13 +31,11 @@ __all__ = [
     "Candidate",
     "InvalidCheckpoint",
     "build_manifest",
-    "check_saveable_tenure",
     "dir_name",
     "is_checkpoint_dir",
     "manifest_bytes",
     "scan",
     "tenure_from_json",
-    "tenure_key",
     "tenure_to_json",
     "validate",
 ]
@@ -57,27 +56,6 @@ class InvalidCheckpoint(Exception):
 
 # ---------------------------------------------------------------------------------------------------------
 # Tenures
-
-
-def _saveable(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, str)):
-        return True
-    if isinstance(value, float):
-        return not math.isnan(value)
-    if isinstance(value, tuple):
-        return all(_saveable(v) for v in value)
-    return False
-
-
-def check_saveable_tenure(value: Any, op: str = "save") -> None:
-    """A `TypeError` unless `value` is a number, string, `None` or a (nested) tuple of those."""
-    if not _saveable(value):
-        msg = (
-            f"{op}: the tenure {value!r} ({type(value).__name__}) cannot be stored in a checkpoint manifest; "
-            "a saved tenure must be an int, float (not NaN), str, None or a (nested) tuple of those: "
-            "return e.g. int(step) or (epoch, step) from the tenure callable"
-        )
-        raise TypeError(msg) from None
 
 
 def tenure_to_json(value: Any) -> Any:
@@ -106,19 +84,6 @@ def tenure_from_json(data: Any) -> Any:
             raise ValueError("NaN tenure")
         return data
     raise ValueError(f"unknown tenure encoding {data!r}")
-
-
-def tenure_key(value: Any) -> tuple[Any, ...]:
-    """A total order over saveable tenures that agrees with `elect` wherever `elect` can compare."""
-    if value is None:
-        return (0,)
-    if isinstance(value, (bool, int, float)):
-        return (1, value)
-    if isinstance(value, str):
-        return (2, value)
-    if isinstance(value, tuple):
-        return (3, tuple(tenure_key(v) for v in value))
-    return (4, repr(value))
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -184,7 +149,7 @@ class Candidate:
 
     @property
     def order(self) -> tuple[Any, ...]:
-        return (tenure_key(self.tenure), self.created_ns, self.path.name)
+        return (order_key(self.tenure), self.created_ns, self.path.name)
 
 
 def is_checkpoint_dir(path: Path) -> bool:

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._decorator import as_timedelta
+from ._timeouts import as_timedelta
 
 __all__ = ["init_process_group", "store_prefix"]
 

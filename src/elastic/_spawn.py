@@ -41,8 +41,8 @@ from typing import Any
 
 import cloudpickle
 
-from ._decorator import as_timedelta
 from ._errors import WorkerError
+from ._timeouts import as_timedelta
 
 __all__ = ["spawn"]
 

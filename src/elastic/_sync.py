@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -14,10 +13,14 @@ import attrs
 import cloudpickle
 import torch
 
+from ._collective import Collective, raise_first
 from ._comm import Comm, fault_point, ranks_str
-from ._decorator import StateConfig, as_timedelta, config_of, lineage, set_lineage
+from ._config import StateConfig, config_of
 from ._errors import StateMismatchError, SyncError, TenureError
-from ._transport import is_direct, receive_tensors, send_tensors
+from ._lineage import Lineage, lineage, set_lineage
+from ._tenure import current, elect
+from ._timeouts import as_timedelta
+from ._transport import Transport, default_transport
 from ._tree import (
     Flat,
     StateNode,
@@ -31,13 +34,11 @@ from ._tree import (
     receive_targets,
     schema_from,
     schema_of,
-    tensor_index,
 )
 
 __all__ = [
     "SyncReport",
     "broadcast_state",
-    "elect",
     "most_tenured_rank",
     "sync",
     "sync_method",
@@ -62,9 +63,7 @@ class SyncReport:
 def tenure(state: Any) -> Any:
     """The tenure of `state` on this rank (local): `None` for a torn state."""
     config = config_of(state, "elastic.tenure()")
-    if lineage(state).torn:
-        return None
-    return config.tenure(state)
+    return current(state, config, lineage(state))
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -83,27 +82,19 @@ class Record:
     error: tuple[str, str] | None = None  # (kind, message)
 
 
-def _has_nan(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isnan(value)
-    if isinstance(value, tuple):
-        return any(_has_nan(v) for v in value)
-    try:
-        return bool(value != value)
-    except Exception:
-        return False
+def _local_record(
+    state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
+) -> Record:
+    return _scan(state, config, line, src, with_schema)[0]
 
 
-def _local_record(state: Any, config: StateConfig, src: int | None, rank: int, with_schema: bool) -> Record:
-    return _scan(state, config, src, with_schema)[0]
-
-
-def _scan(state: Any, config: StateConfig, src: int | None, with_schema: bool) -> tuple[Record, Flat | None]:
+def _scan(
+    state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
+) -> tuple[Record, Flat | None]:
     """This rank's election record and, with the schema, the flattened state it was computed from: one
-    walk of the state serves the schema, the source's tensors and the receiver's targets."""
-    line = lineage(state)
+    walk of the state serves the schema, the source's tensors and the receiver's in-place targets."""
     try:
-        value = None if line.torn else config.tenure(state)
+        value = current(state, config, line)
     except Exception as exc:
         return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), None
     schema = None
@@ -121,24 +112,25 @@ def _scan(state: Any, config: StateConfig, src: int | None, with_schema: bool) -
     return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), flat
 
 
-def _gather_records(comm: Comm, record: Record, phase: str) -> list[Record]:
-    rows = comm.all_gather_bytes(cloudpickle.dumps(record), phase)
-    return [cloudpickle.loads(r) for r in rows]
+def _record_failure(op: str) -> Callable[[int, tuple[str, str]], Exception]:
+    """The error every rank raises for the first rank whose election record has one."""
 
-
-def _check_errors(records: Sequence[Record], op: str) -> None:
-    for rank, rec in enumerate(records):
-        if rec.error is None:
-            continue
-        kind, text = rec.error
+    def fail(rank: int, error: tuple[str, str]) -> Exception:
+        kind, text = error
         if kind == "tenure":
             msg = (
                 f"{op}: on rank {rank} the {text}; fix the tenure callable so that it returns an "
                 "orderable value or None"
             )
-            raise TenureError(msg) from None
-        msg = f"{op}: rank {rank} could not prepare its state: {text}"
-        raise SyncError(msg, phase="prepare") from None
+            return TenureError(msg)
+        return SyncError(f"{op}: rank {rank} could not prepare its state: {text}", phase="prepare")
+
+    return fail
+
+
+def _elect_records(group: Collective, record: Record, op: str) -> list[Record]:
+    """Every rank's election record, or the first error any rank saw (raised on every rank)."""
+    return group.gather_checked(record, "elect", _record_failure(op))
 
 
 def _check_src(records: Sequence[Record], world: int, op: str) -> int | None:
@@ -154,7 +146,7 @@ def _check_src(records: Sequence[Record], world: int, op: str) -> int | None:
     return src
 
 
-def _check_schemas(comm: Comm, records: Sequence[Record], state: Any, op: str) -> None:
+def _check_schemas(group: Collective, records: Sequence[Record], state: Any, op: str) -> None:
     first = records[0].schema
     assert first is not None  # every record without an error carries a schema
     same = all(
@@ -170,7 +162,7 @@ def _check_schemas(comm: Comm, records: Sequence[Record], state: Any, op: str) -
         mine: Any = schema_of(state)
     except Exception as exc:  # still take part: the others are already in the all-gather
         mine = (f"<schema failed: {type(exc).__name__}: {exc}>", ())
-    full = [cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(mine), "schema")]
+    full = group.gather(mine, "schema")
     raise StateMismatchError(_mismatch_message(full, op)) from None
 
 
@@ -240,61 +232,26 @@ def _module_diff(layouts: Sequence[Sequence[tuple[str, tuple[int, ...], str]]]) 
     return "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
 
 
-def elect(tenures: Sequence[Any], op: str = "sync") -> int:
-    """The rank of the maximum tenure (`None` least, ties to the lowest rank), or `TenureError`."""
-    nan = [r for r, t in enumerate(tenures) if t is not None and _has_nan(t)]
-    if nan:
-        msg = (
-            f"{op}: tenure is NaN on {ranks_str(nan)} ({tenures[nan[0]]!r}); NaN cannot be ordered. "
-            "Return a number, string or tuple that grows as training advances (the step, for instance)"
-        )
-        raise TenureError(msg) from None
-    best = 0
-    for rank in range(1, len(tenures)):
-        a, b = tenures[best], tenures[rank]
-        if b is None:
-            continue
-        if a is None:
-            best = rank
-            continue
-        if type(a) is not type(b) and not (_is_number(a) and _is_number(b)):
-            raise _incomparable(op, best, a, rank, b)
-        try:
-            if b > a:
-                best = rank
-        except TypeError:
-            raise _incomparable(op, best, a, rank, b) from None
-    return best
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _incomparable(op: str, r1: int, a: Any, r2: int, b: Any) -> TenureError:
-    msg = (
-        f"{op}: tenures cannot be compared: rank {r1} has {a!r} ({type(a).__name__}) and rank {r2} has "
-        f"{b!r} ({type(b).__name__}); the tenure callable must return values of one orderable type "
-        "on every rank"
-    )
-    return TenureError(msg)
-
-
 # -----------------------------------------------------------------------------------------------------------
 # Sync
 
 
 @attrs.frozen
 class Payload:
-    """What the source broadcasts as one cloudpickle object."""
+    """What the source broadcasts as one cloudpickle object.
+
+    The skeleton (the user's objects) travels as bytes inside it, decoded by `skeleton_here()`: a receiver
+    that cannot unpickle it still reads the tensor metadata and plan, so it takes part in the transfer
+    (into scratch tensors, its state untouched) and reports the failure at commit."""
 
     skeleton: StateNode | None
     metas: list[TensorMeta]
-    direct: list[bool]
+    plan: Any  # the transport's plan for the carriers (BroadcastTransport: which go direct)
     token: str | None
     torn: bool
     tenure: Any
     error: str | None = None
+    packed: bytes | None = None  # the pickled skeleton, on a receiver
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Metadata as columns of plain values: pickles ~20x faster than one object per tensor.
@@ -309,17 +266,29 @@ class Payload:
             tuple(x.alias for x in m),
             tuple(x.offset for x in m),
         )
+        packed = self.packed if self.skeleton is None else cloudpickle.dumps(self.skeleton)
         return (
             _payload,
-            (self.skeleton, columns, self.direct, self.token, self.torn, self.tenure, self.error),
+            (packed, columns, self.plan, self.token, self.torn, self.tenure, self.error),
         )
 
+    def skeleton_here(self) -> StateNode:
+        """The skeleton, unpickled on first use on a receiver (where user classes may fail to load)."""
+        if self.skeleton is not None:
+            return self.skeleton
+        assert self.packed is not None  # a payload without an error carries a skeleton
+        skeleton = cloudpickle.loads(self.packed)
+        object.__setattr__(self, "skeleton", skeleton)
+        return skeleton
 
-def _payload(
-    skeleton: Any, columns: Any, direct: Any, token: Any, torn: Any, tenure: Any, error: Any
-) -> Payload:
+
+def _payload(packed: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any) -> Payload:
     metas = [TensorMeta(*row) for row in zip(*columns)] if columns[0] else []
-    return Payload(skeleton, metas, direct, token, torn, tenure, error)
+    return Payload(None, metas, plan, token, torn, tenure, error, packed)
+
+
+def _failed_payload(msg: str) -> bytes:
+    return cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
 
 
 def _unpicklable_fields(skeleton: StateNode) -> str:
@@ -361,66 +330,106 @@ def run_sync(
     timeout: timedelta | float | None = None,
     op: str = "sync",
     notify: bool = True,
+    transport: Transport | None = None,
 ) -> SyncReport:
-    """`sync` with the name of the calling operation for messages (used by `load` too)."""
-    # Tensors allocated or cached here must be ordinary tensors, also when the caller is under
-    # torch.inference_mode() (an inference tensor fails at the next optimizer.step()).
-    with torch.inference_mode(False):
-        return _run_sync(state, group, src, force, timeout, op, notify)
-
-
-def _run_sync(
-    state: Any,
-    group: Any,
-    src: int | None,
-    force: bool,
-    timeout: timedelta | float | None,
-    op: str,
-    notify: bool,
-) -> SyncReport:
+    """`sync` with the name of the calling operation for messages."""
     config = config_of(state, f"elastic.{op}()")
     deadline = as_timedelta(timeout, op)
     started = time.perf_counter()
-    comm = Comm.of(group, deadline, op)
-    if comm is None:
+    collective = Collective.of(group, deadline, op)
+    return sync_in(
+        state,
+        config,
+        collective,
+        src=src,
+        force=force,
+        op=op,
+        notify=notify,
+        started=started,
+        transport=transport,
+    )
+
+
+def sync_in(
+    state: Any,
+    config: StateConfig,
+    group: Collective,
+    *,
+    src: int | None = None,
+    force: bool = False,
+    op: str = "sync",
+    notify: bool = True,
+    started: float | None = None,
+    transport: Transport | None = None,
+) -> SyncReport:
+    """The sync of `state` (whose configuration is `config`) in `group`: elect, then transfer or not.
+
+    `save` and `load` call it with the group and configuration they already looked up. Tensors it
+    allocates (or caches) are ordinary tensors, also when the caller is under `torch.inference_mode()`
+    (an inference tensor fails at the next `optimizer.step()`)."""
+    with torch.inference_mode(False):
+        return _sync_in(state, config, group, src, force, op, notify, started, transport)
+
+
+def _sync_in(
+    state: Any,
+    config: StateConfig,
+    group: Collective,
+    src: int | None,
+    force: bool,
+    op: str,
+    notify: bool,
+    started: float | None,
+    transport: Transport | None,
+) -> SyncReport:
+    started = time.perf_counter() if started is None else started
+    line = lineage(state)
+    if group.solo:
         report = SyncReport(
-            src=0, tenure=tenure(state), world_size=1, tensor_bytes=0, object_bytes=0, seconds=0.0
+            src=0,
+            tenure=current(state, config, line),
+            world_size=1,
+            tensor_bytes=0,
+            object_bytes=0,
+            seconds=0.0,
         )
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
-
-    world = comm.world_size
-    mine, scanned = _scan(state, config, src, with_schema=True)
-    records = _gather_records(comm, mine, "elect")
-    _check_errors(records, op)
-    given = _check_src(records, world, op)
-    _check_schemas(comm, records, state, op)
+    mine, scanned = _scan(state, config, line, src, with_schema=True)
+    records = _elect_records(group, mine, op)
+    given = _check_src(records, group.world, op)
+    _check_schemas(group, records, state, op)
     tenures = [rec.tenure for rec in records]
     elected = elect(tenures, op)
-    tokens = {rec.token for rec in records}
-    if (
-        not force
-        and len(tokens) == 1
-        and None not in tokens
-        and not any(rec.torn for rec in records)
-        and all(t == tenures[0] for t in tenures)
-    ):
+    source = elected if given is None else given
+    if not force and _identical(records):
         report = SyncReport(
-            src=elected if given is None else given,
+            src=source,
             tenure=tenures[elected],
-            world_size=world,
+            world_size=group.world,
             tensor_bytes=0,
             object_bytes=0,
             seconds=time.perf_counter() - started,
         )
         log.debug("%s: replicas already identical (tenure %r, lineage %s)", op, tenures[0], records[0].token)
-        _finish(state, config, report, op, notify)
-        return report
-    source = elected if given is None else given
-    report = _transfer(state, comm, source, records, op, started, scanned)
+    else:
+        chosen = transport if transport is not None else default_transport()
+        assert scanned is not None  # a record without an error comes with its walk
+        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, scanned)
     _finish(state, config, report, op, notify)
     return report
+
+
+def _identical(records: Sequence[Record]) -> bool:
+    """Whether every rank holds the same lineage and tenure (and none is torn): nothing to move."""
+    tokens = {rec.token for rec in records}
+    return (
+        len(tokens) == 1
+        and None not in tokens
+        and not any(rec.torn for rec in records)
+        and all(rec.tenure == records[0].tenure for rec in records)
+    )
 
 
 def _finish(state: Any, config: StateConfig, report: SyncReport, op: str, notify: bool) -> None:
@@ -438,119 +447,153 @@ def _finish(state: Any, config: StateConfig, report: SyncReport, op: str, notify
         config.on_sync(state, report)
 
 
+class _Failures:
+    """This rank's local failures during a transfer; every rank learns of the first one at commit."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def add(self, exc: BaseException) -> None:
+        self.messages.append(f"{type(exc).__name__}: {exc}")
+
+    @property
+    def first(self) -> str | None:
+        return self.messages[0] if self.messages else None
+
+
 def _transfer(
     state: Any,
-    comm: Comm,
+    group: Collective,
     src: int,
-    records: Sequence[Record],
+    src_tenure: Any,
+    line: Lineage,
+    transport: Transport,
     op: str,
     started: float,
-    scanned: Flat | None = None,
+    scanned: Flat,
 ) -> SyncReport:
-    rank = comm.rank
-    errors: list[str] = []
+    """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
 
-    def on_error(exc: BaseException) -> None:
-        errors.append(f"{type(exc).__name__}: {exc}")
-
-    # Objects: the skeleton, tensor metadata and the new lineage, in one cloudpickle payload.
-    flat: Flat | None = None
-    data: bytes | None = None
-    built: Payload | None = None
-    if rank == src:
-        try:
-            fault_point("flatten", rank)
-            flat = scanned if scanned is not None else flatten(state, "sync")
-            direct = [is_direct(t, comm.device) for t in flat.tensors]
-            line = lineage(state)
-            token = None if line.torn else uuid.uuid4().hex
-            payload = Payload(flat.skeleton, flat.metas, direct, token, line.torn, records[src].tenure)
-            try:
-                data = cloudpickle.dumps(payload)
-                built = payload
-            except Exception:
-                msg = (
-                    f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
-                    "picklable or mark the field elastic.local()"
-                )
-                data = cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
-        except Exception as exc:
-            msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
-            data = cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
-    index: dict[Any, torch.Tensor] | None = None
-    index_error: BaseException | None = None
-    if rank != src:  # walk our own tree while the source flattens and pickles
-        try:
-            index = scanned.index() if scanned is not None else tensor_index(state, "sync")
-        except Exception as exc:
-            index_error = exc
-    raw = comm.broadcast_bytes(data, src, "objects")
-    payload = built if built is not None else cloudpickle.loads(raw)
-    if payload.error is not None:
-        raise SyncError(f"{op} failed in phase 'objects': {payload.error}", phase="objects") from None
-    moving = carriers(payload.metas)  # tensors sharing storage with another travel once
-    tensor_bytes = sum(payload.metas[i].nbytes for i in moving)
-    sent_metas = [payload.metas[i] for i in moving]
-    sent_direct = [payload.direct[i] for i in moving]
-
-    # Tensors: in place where the receiver has a matching tensor, allocated from the metadata otherwise.
-    if rank == src:
-        assert flat is not None
-        send_tensors(comm, src, [flat.tensors[i] for i in moving], sent_direct, sent_metas, on_error)
+    `scanned` is this rank's state as the election walked it: the source's tensors, a receiver's
+    in-place targets. Tensors that share storage with another (tied weights, views) travel once, inside
+    their carrier, and are rebuilt as views on the receivers."""
+    comm = group.comm
+    assert comm is not None  # a transfer needs a group
+    failures = _Failures()
+    if comm.rank == src:
+        flat, data, built = _pack_objects(scanned, comm, src, src_tenure, line, transport)
     else:
-        try:
-            if index_error is not None:
-                raise index_error
-            targets, in_place = receive_targets(
-                state, payload.metas, "sync", lambda m: _device_for(m, comm), index=index
-            )
-        except Exception as exc:
-            on_error(exc)
-            targets = [
-                torch.empty(m.shape, dtype=m.dtype, device=_device_for(m, comm)) for m in payload.metas
-            ]
-            in_place = [False] * len(targets)
-        set_lineage(state, token=None, torn=True)  # from the first byte written until commit
-        receive_tensors(comm, src, [targets[i] for i in moving], sent_direct, sent_metas, on_error)
-        if not errors:
-            try:
-                fault_point("apply", rank)
-                assert payload.skeleton is not None
-                with torch.no_grad(), torch.inference_mode(False):
-                    fill_aliases(targets, payload.metas)
-                    apply_fields(state, payload.skeleton, targets, in_place)
-            except Exception as exc:
-                on_error(exc)
-
-    # Commit: every rank learns whether every other rank succeeded.
-    status = cloudpickle.dumps(errors[0] if errors else None)
-    outcomes = [cloudpickle.loads(r) for r in comm.all_gather_bytes(status, "commit")]
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-    if failed:
-        r, e = failed[0]
-        where = "source" if r == src else "receiver"
-        msg = (
-            f"{op} failed on rank {r} ({where}): {e}. The receivers are marked torn (tenure None) until "
-            "their next successful sync or load; the source's state is unchanged"
-        )
-        raise SyncError(msg, phase="apply" if r != src else "send") from None
+        flat, data, built = None, None, None
+    payload, object_bytes = _exchange_objects(comm, src, data, built, op)
+    moving = carriers(payload.metas)
+    if flat is not None:
+        sent = [flat.tensors[i] for i in moving]
+        transport.send(comm, src, sent, [payload.metas[i] for i in moving], payload.plan, failures.add)
+    else:
+        _receive(state, comm, src, payload, moving, scanned.index(), transport, failures)
+    _commit(group, src, failures, op)
     set_lineage(state, token=payload.token, torn=payload.torn)
     return SyncReport(
         src=src,
         tenure=payload.tenure,
         world_size=comm.world_size,
-        tensor_bytes=tensor_bytes,
-        object_bytes=len(raw),
+        tensor_bytes=sum(payload.metas[i].nbytes for i in moving),
+        object_bytes=object_bytes,
         seconds=time.perf_counter() - started,
     )
 
 
-def _device_for(meta: TensorMeta, comm: Comm) -> torch.device:
-    if meta.device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if meta.device_type == comm.device.type:
-        return comm.device
-    return torch.device("cpu")
+def _pack_objects(
+    flat: Flat, comm: Comm, src: int, src_tenure: Any, line: Lineage, transport: Transport
+) -> tuple[Flat | None, bytes, Payload | None]:
+    """The source's objects: the skeleton, tensor metadata, the transport's plan and the new lineage, in one
+    cloudpickle payload (or one that carries the source's error). Returns the flattened state too."""
+    try:
+        fault_point("flatten", comm.rank)
+        plan = transport.plan([flat.tensors[i] for i in carriers(flat.metas)], comm)
+        token = None if line.torn else uuid.uuid4().hex
+        payload = Payload(flat.skeleton, flat.metas, plan, token, line.torn, src_tenure)
+    except Exception as exc:
+        msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
+        return None, _failed_payload(msg), None
+    try:
+        return flat, cloudpickle.dumps(payload), payload
+    except Exception:
+        msg = (
+            f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
+            "picklable or mark the field elastic.local()"
+        )
+        return None, _failed_payload(msg), None
+
+
+def _exchange_objects(
+    comm: Comm, src: int, data: bytes | None, built: Payload | None, op: str
+) -> tuple[Payload, int]:
+    """The source's payload on every rank (and its size), or the source's error raised on every rank."""
+    raw = comm.broadcast_bytes(data, src, "objects")
+    payload = built if built is not None else cloudpickle.loads(raw)
+    if payload.error is not None:
+        raise SyncError(f"{op} failed in phase 'objects': {payload.error}", phase="objects") from None
+    return payload, len(raw)
+
+
+def _receive(
+    state: Any,
+    comm: Comm,
+    src: int,
+    payload: Payload,
+    moving: list[int],
+    own: dict[Any, torch.Tensor],
+    transport: Transport,
+    failures: _Failures,
+) -> None:
+    """A receiver's tensors: in place where it has a matching tensor, allocated from the metadata
+    otherwise; then the fields applied. Torn from the first byte written into its own state until commit.
+
+    A receiver that cannot decode the skeleton or place the tensors still takes part in every collective,
+    receiving into scratch tensors (its state untouched, so not torn), and reports the failure at commit:
+    every rank raises the same `SyncError` then, and the group's collectives stay in step."""
+    try:
+        fault_point("decode", comm.rank)
+        skeleton = payload.skeleton_here()
+        targets, in_place = receive_targets(
+            state, payload.metas, "sync", lambda m: transport.device_for(m, comm), index=own
+        )
+    except Exception as exc:
+        failures.add(exc)
+        skeleton = None
+        targets = [
+            torch.empty(m.shape, dtype=m.dtype, device=transport.device_for(m, comm)) for m in payload.metas
+        ]
+        in_place = [False] * len(targets)
+    if any(in_place[i] for i in moving):
+        set_lineage(state, token=None, torn=True)
+    sent_metas = [payload.metas[i] for i in moving]
+    transport.receive(comm, src, [targets[i] for i in moving], sent_metas, payload.plan, failures.add)
+    if failures.first is not None or skeleton is None:
+        return
+    set_lineage(state, token=None, torn=True)  # applying writes the state's fields
+    try:
+        fault_point("apply", comm.rank)
+        with torch.no_grad():
+            fill_aliases(targets, payload.metas)
+            apply_fields(state, skeleton, targets, in_place)
+    except Exception as exc:
+        failures.add(exc)
+
+
+def _commit(group: Collective, src: int, failures: _Failures, op: str) -> None:
+    """Every rank learns whether every other rank succeeded; the first failure is raised everywhere."""
+
+    def fail(rank: int, error: str) -> SyncError:
+        where = "source" if rank == src else "receiver"
+        msg = (
+            f"{op} failed on rank {rank} ({where}): {error}. Receivers that were written are marked torn "
+            "(tenure None) until their next successful sync or load; the source's state is unchanged"
+        )
+        return SyncError(msg, phase="apply" if rank != src else "send")
+
+    raise_first(group.gather(failures.first, "commit"), fail, error_of=lambda e: e)
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -598,11 +641,10 @@ def broadcast_state(
 
 def most_tenured_rank(state: Any, *, group: Any = None, timeout: timedelta | float | None = None) -> int:
     """The group rank holding the most tenured state (collective; lowest rank in ties). Moves no state."""
-    config = config_of(state, "elastic.most_tenured_rank()")
-    comm = Comm.of(group, as_timedelta(timeout, "most_tenured_rank"), "most_tenured_rank")
-    if comm is None:
+    op = "most_tenured_rank"
+    config = config_of(state, f"elastic.{op}()")
+    collective = Collective.of(group, as_timedelta(timeout, op), op)
+    if collective.solo:
         return 0
-    rec = _local_record(state, config, None, comm.rank, with_schema=False)
-    records = _gather_records(comm, rec, "elect")
-    _check_errors(records, "most_tenured_rank")
-    return elect([r.tenure for r in records], "most_tenured_rank")
+    record = _local_record(state, config, lineage(state), None, with_schema=False)
+    return elect([r.tenure for r in _elect_records(collective, record, op)], op)

@@ -1,21 +1,33 @@
-"""Moving tensors: large ones straight into their storage, small ones through a few reused buckets.
+"""Moving tensors from the source of a sync to every receiver: the `Transport` seam and its first
+implementation, `BroadcastTransport`.
 
-Both sides derive the same plan from the source's metadata. Tensors the source marks `direct` (plain
-contiguous tensors on the communication device of at least `DIRECT_BYTES`) are broadcast as they are: the
-receiver's own tensor is the destination when it has the same shape, dtype and device, so nothing is
-copied or pickled. All other tensors form one byte stream cut into buckets of at most `BUCKET_BYTES`, each
-tensor aligned to its element size. `IN_FLIGHT` buckets travel at once: while they do, the source packs
-the next one and the receiver unpacks the oldest, so the receiver never holds more than
-`IN_FLIGHT * BUCKET_BYTES` of extra memory, plus one temporary at a time for a tensor whose bytes cannot
+`sync` talks to a transport object: the source asks it for a `plan` of its tensors (a picklable value that
+travels to the receivers with the tensor metadata), then the source calls `send` and every receiver
+`receive`, each with the same metadata and plan; a receiver allocates the tensors it lacks on
+`device_for(meta, comm)`. Another transport (point-to-point sends to a joining rank, a CUDA-IPC or RDMA
+path) implements the same four methods.
+
+`BroadcastTransport` moves large tensors straight into their storage and small ones through a few reused
+buckets. Both sides derive the same plan from the source's metadata. Tensors the source marks `direct`
+(plain contiguous tensors on the communication device of at least `direct_bytes`) are broadcast as they
+are: the receiver's own tensor is the destination when it has the same shape, dtype and device, so
+nothing is copied or pickled. All other tensors form one byte stream cut into buckets of at most
+`bucket_bytes`, each tensor aligned to its element size. `in_flight` buckets travel at once: while they
+do, the source packs the next one and the receiver unpacks the oldest, so the receiver never holds more
+than `in_flight * bucket_bytes` of extra memory, plus one temporary at a time for a tensor whose bytes cannot
 be written where they are (a non-contiguous direct tensor or one split across buckets, or a tensor on
 another device). The bucket buffers are kept between calls: fresh buffers would cost page faults on every
-sync.
+sync. Which device the buckets and temporaries live on is the communicator's `Placement` (`_placement`).
 
 A run of whole tensors of one dtype in a bucket is packed (and unpacked) with two C++ calls: views of the
 bucket shaped like the tensors, then one copy per pair, which also handles non-contiguous tensors and
 lazy conjugates. Packing and unpacking run with torch's intra-op pool limited to one thread: on a small
 machine its OpenMP workers otherwise spin next to the backend's communication threads (measured on 2
 cores with gloo, 2,000 tensors: twice as slow; 17 to 40 times with one copy call per tensor).
+
+The views and the grouped copy use two private torch functions, ``torch._C._nn.unflatten_dense_tensors``
+and ``torch._foreach_copy_``; where a torch release lacks them, the same results come from public calls
+(`narrow`/`view` and one ``copy_`` per pair), only slower.
 """
 
 from __future__ import annotations
@@ -25,8 +37,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -37,29 +50,76 @@ __all__ = [
     "BUCKET_BYTES",
     "DIRECT_BYTES",
     "IN_FLIGHT",
+    "RAMP_MIN",
+    "BroadcastTransport",
     "Bucket",
     "Segment",
+    "Transport",
     "byte_view",
     "cached_bytes",
-    "is_direct",
+    "default_transport",
     "plan_buckets",
-    "receive_tensors",
     "release_buffers",
-    "send_tensors",
+    "set_default_transport",
 ]
 
-#: Upper bound of one coalescing bucket, in bytes. Read at call time.
+#: Default upper bound of one coalescing bucket, in bytes.
 BUCKET_BYTES = 16 * 2**20
-#: Plain contiguous tensors on the communication device at least this large are broadcast on their own,
-#: straight into the receiver's storage. Read at call time. Below it, one collective per tensor costs more
-#: than copying the tensor through a bucket (gloo on 2 CPU cores: 1 MiB tensors move faster in buckets,
-#: 2 MiB ones on their own).
+#: Default size from which plain contiguous tensors on the communication device are broadcast on their
+#: own, straight into the receiver's storage. Below it, one collective per tensor costs more than copying
+#: the tensor through a bucket (gloo on 2 CPU cores: 1 MiB tensors move faster in buckets, 2 MiB ones on
+#: their own).
 DIRECT_BYTES = 2 * 2**20
-#: Buckets travelling at once, each in its own reused buffer: a receiver's extra memory during a transfer
-#: is at most ``IN_FLIGHT * BUCKET_BYTES`` (plus one temporary for a tensor it cannot take in place).
+#: Default number of buckets travelling at once, each in its own reused buffer: a receiver's extra memory
+#: during a transfer is at most ``in_flight * bucket_bytes`` (plus one temporary for a tensor it cannot
+#: take in place).
 IN_FLIGHT = 2
-#: The smallest first and last bucket (below this the ramp is not worth an extra collective).
-_RAMP_MIN = 4096
+#: Default smallest first and last bucket (below this the ramp is not worth an extra collective).
+RAMP_MIN = 4096
+
+OnError = Callable[[BaseException], None]
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """How `sync` moves the source's tensors to every receiver once the objects are known.
+
+    Every method is called on every rank of the transfer with the same `metas` and `plan`. A local
+    failure (packing, writing) goes to `on_error` and the transfer goes on, so that no rank is left
+    waiting; a communication failure raises `SyncError` (from `Comm`).
+    """
+
+    def plan(self, tensors: list[torch.Tensor], comm: Comm) -> Any:
+        """The source's plan for moving `tensors` (picklable: it travels with the tensor metadata)."""
+        ...
+
+    def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
+        """Where a receiver allocates an incoming tensor it has no place for."""
+        ...
+
+    def send(
+        self,
+        comm: Comm,
+        src: int,
+        tensors: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The source's half (never writes to `tensors`)."""
+        ...
+
+    def receive(
+        self,
+        comm: Comm,
+        src: int,
+        targets: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The receivers' half: the source's tensors written into `targets` (in place: storage kept)."""
+        ...
 
 
 class Segment(NamedTuple):
@@ -82,13 +142,13 @@ def _nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * meta.dtype.itemsize
 
 
-def _cap(k: int, remaining: int, bound: int) -> int:
+def _cap(k: int, remaining: int, bound: int, ramp_min: int) -> int:
     """How many bytes bucket `k` may hold when `remaining` bytes are left to send.
 
-    The first buckets ramp up from ``bound / 8`` (at least `_RAMP_MIN`) and the last ones down to it, so
+    The first buckets ramp up from ``bound / 8`` (at least `ramp_min`) and the last ones down to it, so
     that packing the first bucket and unpacking the last, which no communication overlaps, stay short.
     """
-    low = max(bound // 8, min(bound, _RAMP_MIN))
+    low = max(bound // 8, min(bound, ramp_min))
     tail = max(low, (remaining + 1) // 2)
     if remaining - tail < low // 2:  # what is left goes in this bucket: no crumb of a last one
         tail = bound
@@ -96,18 +156,15 @@ def _cap(k: int, remaining: int, bound: int) -> int:
 
 
 def plan_buckets(
-    metas: list[TensorMeta], direct: list[bool], bucket_bytes: int | None = None
+    metas: list[TensorMeta], direct: list[bool], bucket_bytes: int = BUCKET_BYTES, ramp_min: int = RAMP_MIN
 ) -> list[Bucket]:
-    """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes` (default: the
-    module's `BUCKET_BYTES`, read at call time).
+    """Cut the non-direct tensors' bytes, in order, into buckets of at most `bucket_bytes`.
 
     Each tensor starts at a multiple of its element size (so a bucket's bytes can be viewed as the tensor's
     dtype); a tensor larger than the room left continues at the start of the next bucket. Empty tensors
     have no segment. A bucket's `size` is the end of its last segment. The first and last buckets are
     smaller (see `_cap`).
     """
-    if bucket_bytes is None:
-        bucket_bytes = BUCKET_BYTES
     if bucket_bytes < 1:
         msg = f"bucket_bytes must be at least 1, got {bucket_bytes}"
         raise ValueError(msg) from None
@@ -116,13 +173,13 @@ def plan_buckets(
     buckets: list[Bucket] = []
     segments: list[Segment] = []
     fill = 0
-    cap = _cap(0, remaining, bucket_bytes)
+    cap = _cap(0, remaining, bucket_bytes, ramp_min)
 
     def close() -> None:
         nonlocal segments, fill, cap
         buckets.append(Bucket(fill, tuple(segments)))
         segments, fill = [], 0
-        cap = _cap(len(buckets), remaining, bucket_bytes)
+        cap = _cap(len(buckets), remaining, bucket_bytes, ramp_min)
 
     for i, meta in enumerate(metas):
         left, offset = sizes[i], 0
@@ -151,13 +208,6 @@ def plan_buckets(
 def _plain(tensor: torch.Tensor) -> bool:
     """Whether the tensor's storage bytes are its values (contiguous, no lazy conjugate or negation)."""
     return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
-
-
-def is_direct(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether the source broadcasts `tensor` on its own (see `DIRECT_BYTES`)."""
-    return (
-        tensor.device == device and tensor.numel() * tensor.element_size() >= DIRECT_BYTES and _plain(tensor)
-    )
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -235,9 +285,38 @@ def _quiet() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def unflatten_public(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``torch._C._nn.unflatten_dense_tensors`` returns, from public calls (one view per tensor)."""
+    out: list[torch.Tensor] = []
+    offset = 0
+    for t in like:
+        n = t.numel()
+        if n == 0:  # a fresh empty tensor, as torch does: no view sharing the others' storage
+            out.append(torch.empty(t.shape, dtype=flat.dtype, device=flat.device))
+        else:
+            out.append(flat.narrow(0, offset, n).view(t.shape))
+            offset += n
+    return out
+
+
+def copy_all_public(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """What ``torch._foreach_copy_`` does, from public calls (one ``copy_`` per pair)."""
+    for d, s in zip(dests, srcs):
+        d.copy_(s)
+
+
+#: The private torch calls used where they exist (one C++ call for many tensors), else public ones.
+_UNFLATTEN: Callable[[torch.Tensor, list[torch.Tensor]], Any] = (
+    getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None) or unflatten_public
+)
+_FOREACH_COPY: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = (
+    getattr(torch, "_foreach_copy_", None) or copy_all_public
+)
+
+
 def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` shaped like `like`, one after the other (one C++ call)."""
-    return list(torch._C._nn.unflatten_dense_tensors(flat, like))
+    return list(_UNFLATTEN(flat, like))
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -260,7 +339,7 @@ def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     if len(dests) == 1:
         dests[0].copy_(srcs[0])
     elif dests:
-        torch._foreach_copy_(dests, srcs)
+        _FOREACH_COPY(dests, srcs)
 
 
 def _whole_runs(
@@ -310,149 +389,189 @@ def _whole_runs(
 
 
 # -----------------------------------------------------------------------------------------------------------
-# Source
+# The bucketed broadcast
 
 
-def send_tensors(
-    comm: Comm,
-    src: int,
-    tensors: list[torch.Tensor],
-    direct: list[bool],
-    metas: list[TensorMeta],
-    on_error: Callable[[BaseException], None],
-) -> None:
-    """The source's half of the tensor transfer (never writes to `tensors`).
+def _at_least(low: int) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            msg = f"BroadcastTransport({attribute.name}=...) must be an int of at least {low}, got {value!r}"
+            raise ValueError(msg)
 
-    A local failure while packing is passed to `on_error` and the remaining collectives still run (with
-    whatever the buffers hold), so the receivers are not left waiting; the failure is reported at commit.
-    A communication failure raises `SyncError` (from `comm.wait`).
+    return check
+
+
+@attrs.frozen
+class BroadcastTransport:
+    """Today's transport: direct broadcasts for large tensors, a few reused buckets for the rest.
+
+    `bucket_bytes` bounds one bucket; plain contiguous tensors of at least `direct_bytes` on the
+    communication device go on their own; `in_flight` buckets travel at once (a receiver's extra memory is
+    at most ``in_flight * bucket_bytes``); the first and last buckets ramp from ``bucket_bytes / 8``, at
+    least `ramp_min`. The bucket buffers are shared by every instance (kept between calls, per device).
     """
-    gsrc = comm.global_rank(src)
-    buckets = plan_buckets(metas, direct)
-    depth = max(1, IN_FLIGHT)
-    failed = False
-    current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
 
-    def source_bytes(i: int) -> torch.Tensor:
-        nonlocal current
-        tensor = tensors[i]
-        if _plain(tensor):
-            return _raw(tensor)
-        if current is None or current[0] != i:  # one copy at a time: segments come in tensor order
-            current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
-        return current[1]
+    bucket_bytes: int = attrs.field(default=BUCKET_BYTES, validator=_at_least(1))
+    direct_bytes: int = attrs.field(default=DIRECT_BYTES, validator=_at_least(0))
+    in_flight: int = attrs.field(default=IN_FLIGHT, validator=_at_least(1))
+    ramp_min: int = attrs.field(default=RAMP_MIN, validator=_at_least(1))
 
-    def pack(buf: torch.Tensor, k: int) -> None:
-        # Whole tensors on the bucket's device go through views of the bucket shaped like them, one copy
-        # per pair in one call (any strides, conjugate views included); the others byte by byte.
-        dests, srcs, others = _whole_runs(buf, k, buckets, tensors, lambda i, t: t.device == buf.device)
-        for seg, _ in others:
-            buf[seg.at : seg.at + seg.length].copy_(
-                source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
-            )
-        _copy_all(dests, srcs)
+    def is_direct(self, tensor: torch.Tensor, device: torch.device) -> bool:
+        """Whether the source broadcasts `tensor` on its own (see `direct_bytes`)."""
+        return (
+            tensor.device == device
+            and tensor.numel() * tensor.element_size() >= self.direct_bytes
+            and _plain(tensor)
+        )
 
-    with _quiet():
-        works: list[tuple[Any, str]] = []
-        for n, i in enumerate(k for k, d in enumerate(direct) if d):
-            phase = f"direct {n}"
-            try:
-                fault_point(phase, comm.rank)
-            except Exception as exc:
-                failed = True
-                on_error(exc)
-            works.append((comm.issue(phase, dist.broadcast, tensors[i], gsrc), phase))
-        if buckets:
-            owned = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
-            bufs = owned[: min(depth, len(buckets))]
-            pending: deque[tuple[Any, str]] = deque()
-            for k, bucket in enumerate(buckets):
-                phase = f"bucket {k}"
-                if len(pending) == len(bufs):
-                    comm.wait(*pending.popleft())
-                buf = bufs[k % len(bufs)][: bucket.size]
-                if not failed:
-                    try:
-                        fault_point(phase, comm.rank)
-                        pack(buf, k)
-                    except Exception as exc:
-                        failed = True
-                        on_error(exc)
-                pending.append((comm.issue(phase, dist.broadcast, buf, gsrc), phase))
-            while pending:
-                comm.wait(*pending.popleft())
-            _return_buffers(comm.device, owned)
-        for work, phase in works:
-            comm.wait(work, phase)
+    def plan(self, tensors: list[torch.Tensor], comm: Comm) -> list[bool]:
+        """Which of the source's tensors are broadcast on their own (`is_direct`), in order."""
+        return [self.is_direct(t, comm.device) for t in tensors]
 
+    def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
+        """Where a receiver allocates a tensor it lacks (see `Placement.allocate_on`)."""
+        return comm.placement.allocate_on(meta.device_type)
 
-# -----------------------------------------------------------------------------------------------------------
-# Receivers
+    def send(
+        self,
+        comm: Comm,
+        src: int,
+        tensors: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The source's half of the tensor transfer (never writes to `tensors`).
 
+        A local failure while packing is passed to `on_error` and the remaining collectives still run
+        (with whatever the buffers hold), so the receivers are not left waiting; the failure is reported
+        at commit. A communication failure raises `SyncError` (from `comm.wait`).
+        """
+        gsrc = comm.global_rank(src)
+        direct: list[bool] = plan
+        buckets = plan_buckets(metas, direct, self.bucket_bytes, self.ramp_min)
+        depth = self.in_flight
+        failed = False
+        current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
 
-def receive_tensors(
-    comm: Comm,
-    src: int,
-    targets: list[torch.Tensor],
-    direct: list[bool],
-    metas: list[TensorMeta],
-    on_error: Callable[[BaseException], None],
-) -> None:
-    """The receivers' half: writes the source's tensors into `targets` (in place: storage kept).
+        def source_bytes(i: int) -> torch.Tensor:
+            nonlocal current
+            tensor = tensors[i]
+            if _plain(tensor):
+                return _raw(tensor)
+            if current is None or current[0] != i:  # one copy at a time: segments come in tensor order
+                current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
+            return current[1]
 
-    A target whose bytes cannot be written directly (non-contiguous, another device, a lazy conjugate)
-    goes through one temporary at a time, copied into it once complete. A local failure while writing
-    (not a communication failure) is passed to `on_error` and the transfer goes on without writing, so
-    that every rank stays in step and learns of it at commit. A communication failure raises `SyncError`.
-    """
-    gsrc = comm.global_rank(src)
-    buckets = plan_buckets(metas, direct)
-    depth = max(1, IN_FLIGHT)
-    failed = False
+        def pack(buf: torch.Tensor, k: int) -> None:
+            # Whole tensors on the bucket's device go through views of the bucket shaped like them, one copy
+            # per pair in one call (any strides, conjugate views included); the others byte by byte.
+            dests, srcs, others = _whole_runs(buf, k, buckets, tensors, lambda i, t: t.device == buf.device)
+            for seg, _ in others:
+                buf[seg.at : seg.at + seg.length].copy_(
+                    source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
+                )
+            _copy_all(dests, srcs)
 
-    def fail(exc: BaseException) -> None:
-        nonlocal failed
-        failed = True
-        on_error(exc)
-
-    with _quiet():
-        # Directs: into the target itself, or into one temporary at a time.
-        works: list[tuple[Any, str]] = []
-        staged: tuple[int, torch.Tensor, Any, str] | None = None
-
-        def finish_staged() -> None:
-            nonlocal staged
-            if staged is None:
-                return
-            i, tmp, work, phase = staged
-            staged = None
-            comm.wait(work, phase)
-            if not failed:
-                try:
-                    targets[i].copy_(tmp)
-                except Exception as exc:
-                    fail(exc)
-
-        for n, i in enumerate(k for k, d in enumerate(direct) if d):
-            phase = f"direct {n}"
-            target = targets[i]
-            if not failed:
+        with _quiet():
+            works: list[tuple[Any, str]] = []
+            for n, i in enumerate(k for k, d in enumerate(direct) if d):
+                phase = f"direct {n}"
                 try:
                     fault_point(phase, comm.rank)
                 except Exception as exc:
-                    fail(exc)
-            if target.device == comm.device and _plain(target):
-                works.append((comm.issue(phase, dist.broadcast, target.detach(), gsrc), phase))
-            else:
-                finish_staged()
-                tmp = torch.empty(target.shape, dtype=target.dtype, device=comm.device)
-                staged = (i, tmp, comm.issue(phase, dist.broadcast, tmp, gsrc), phase)
+                    failed = True
+                    on_error(exc)
+                works.append((comm.issue(phase, dist.broadcast, tensors[i], gsrc), phase))
+            if buckets:
+                owned = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
+                bufs = owned[: min(depth, len(buckets))]
+                pending: deque[tuple[Any, str]] = deque()
+                for k, bucket in enumerate(buckets):
+                    phase = f"bucket {k}"
+                    if len(pending) == len(bufs):
+                        comm.wait(*pending.popleft())
+                    buf = bufs[k % len(bufs)][: bucket.size]
+                    if not failed:
+                        try:
+                            fault_point(phase, comm.rank)
+                            pack(buf, k)
+                        except Exception as exc:
+                            failed = True
+                            on_error(exc)
+                    pending.append((comm.issue(phase, dist.broadcast, buf, gsrc), phase))
+                while pending:
+                    comm.wait(*pending.popleft())
+                _return_buffers(comm.device, owned)
+            for work, phase in works:
+                comm.wait(work, phase)
 
-        if buckets:
-            _receive_buckets(comm, gsrc, buckets, targets, metas, depth, lambda: failed, fail)
-        finish_staged()
-        for work, phase in works:
-            comm.wait(work, phase)
+    def receive(
+        self,
+        comm: Comm,
+        src: int,
+        targets: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The receivers' half: writes the source's tensors into `targets` (in place: storage kept).
+
+        A target whose bytes cannot be written directly (non-contiguous, another device, a lazy
+        conjugate) goes through one temporary at a time, copied into it once complete. A local failure
+        while writing (not a communication failure) is passed to `on_error` and the transfer goes on
+        without writing, so that every rank stays in step and learns of it at commit. A communication
+        failure raises `SyncError`.
+        """
+        gsrc = comm.global_rank(src)
+        direct: list[bool] = plan
+        buckets = plan_buckets(metas, direct, self.bucket_bytes, self.ramp_min)
+        depth = self.in_flight
+        failed = False
+
+        def fail(exc: BaseException) -> None:
+            nonlocal failed
+            failed = True
+            on_error(exc)
+
+        with _quiet():
+            # Directs: into the target itself, or into one temporary at a time.
+            works: list[tuple[Any, str]] = []
+            staged: tuple[int, torch.Tensor, Any, str] | None = None
+
+            def finish_staged() -> None:
+                nonlocal staged
+                if staged is None:
+                    return
+                i, tmp, work, phase = staged
+                staged = None
+                comm.wait(work, phase)
+                if not failed:
+                    try:
+                        targets[i].copy_(tmp)
+                    except Exception as exc:
+                        fail(exc)
+
+            for n, i in enumerate(k for k, d in enumerate(direct) if d):
+                phase = f"direct {n}"
+                target = targets[i]
+                if not failed:
+                    try:
+                        fault_point(phase, comm.rank)
+                    except Exception as exc:
+                        fail(exc)
+                if comm.placement.carries(target) and _plain(target):
+                    works.append((comm.issue(phase, dist.broadcast, target.detach(), gsrc), phase))
+                else:
+                    finish_staged()
+                    tmp = torch.empty(target.shape, dtype=target.dtype, device=comm.device)
+                    staged = (i, tmp, comm.issue(phase, dist.broadcast, tmp, gsrc), phase)
+
+            if buckets:
+                _receive_buckets(comm, gsrc, buckets, targets, metas, depth, lambda: failed, fail)
+            finish_staged()
+            for work, phase in works:
+                comm.wait(work, phase)
 
 
 def _receive_buckets(
@@ -512,3 +631,23 @@ def _receive_buckets(
         if nxt < len(buckets):
             pending.append((nxt, comm.issue(f"bucket {nxt}", dist.broadcast, buf[: buckets[nxt].size], gsrc)))
     _return_buffers(comm.device, owned)
+
+
+_default: list[Transport] = [BroadcastTransport()]
+
+
+def default_transport() -> Transport:
+    """The transport `sync` uses when none is given (a `BroadcastTransport` with the defaults)."""
+    return _default[0]
+
+
+def set_default_transport(transport: Transport) -> Transport:
+    """Make `transport` the one `sync` uses when none is given; returns the previous one."""
+    if not isinstance(transport, Transport):
+        msg = (
+            f"set_default_transport() needs a Transport (plan, device_for, send, receive), got "
+            f"{type(transport).__name__} {transport!r}"
+        )
+        raise TypeError(msg) from None
+    previous, _default[0] = _default[0], transport
+    return previous

@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 import attrs
 import torch
 
-from ._decorator import config_of, is_elastic_state, saved_fields, synced_fields
+from ._config import config_of, is_elastic_state, saved_fields, synced_fields
 
 __all__ = [
     "ContainerNode",

@@ -15,9 +15,11 @@ import attrs
 import cloudpickle
 import torch
 
-from ._comm import Comm, ranks_str
-from ._decorator import as_timedelta, config_of
+from ._collective import Collective
+from ._comm import ranks_str
+from ._config import config_of
 from ._errors import DivergenceError, SyncError
+from ._timeouts import as_timedelta
 from ._tree import ContainerNode, RestoreNode, StatefulNode, StateNode, TensorSlot, flatten, path_str
 
 __all__ = ["digests", "verify"]
@@ -176,6 +178,10 @@ class _Row:
     error: str | None = None
 
 
+def _digest_failure(rank: int, error: str) -> SyncError:
+    return SyncError(f"verify: rank {rank} could not digest its state: {error}", phase="verify")
+
+
 def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None = None) -> None:
     """Check that every rank holds the same synced content (collective).
 
@@ -184,18 +190,14 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
     hold which version. Costs one pass over the state's bytes and one small collective.
     """
     config_of(state, "elastic.verify()")
-    comm = Comm.of(group, as_timedelta(timeout, "verify"), "verify")
-    if comm is None:
+    collective = Collective.of(group, as_timedelta(timeout, "verify"), "verify")
+    if collective.solo:
         return
     try:
         row = _Row(digests(state))
     except Exception as exc:
         row = _Row(None, f"{type(exc).__name__}: {exc}")
-    rows: list[_Row] = [cloudpickle.loads(r) for r in comm.all_gather_bytes(cloudpickle.dumps(row), "verify")]
-    for rank, r in enumerate(rows):
-        if r.error is not None:
-            msg = f"verify: rank {rank} could not digest its state: {r.error}"
-            raise SyncError(msg, phase="verify") from None
+    rows = collective.gather_checked(row, "verify", _digest_failure)
     tables = [r.digests or {} for r in rows]
     keys = list(dict.fromkeys(k for table in tables for k in table))  # first-seen order, linear time
     lines = []
