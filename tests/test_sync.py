@@ -490,3 +490,95 @@ def test_what_sync_carries_on_real_ranks() -> None:
         assert "tensor subclass" in msg
         for key in ("sampler", "dtensor"):
             assert r[key + " untouched"] and r[key + " tenure"] == 9 - (r is r1)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# A receiver that fails while decoding or applying: the same SyncError on every rank, promptly.
+
+
+def _explode_on_rank_one() -> Any:
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("this object cannot be rebuilt on rank 1")
+    return "rebuilt"
+
+
+class Bomb:
+    """Pickles fine; unpickling raises on rank 1 (a class missing there, a dtype its torch lacks...)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_explode_on_rank_one, ())
+
+
+class Refuses:
+    """A stateful object whose `load_state_dict` raises on rank 1."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        import os
+
+        if os.environ.get("RANK") == "1" and sd["n"] == 13:
+            raise ValueError("13 is refused here")
+        self.n = sd["n"]
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Fragile:
+    step: int
+    w: torch.Tensor
+    extra: Any = None
+    stateful: Any = attrs.field(factory=Refuses)
+
+
+def _receiver_failures(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s = Fragile(step=5 - rank, w=torch.full((4,), float(rank)))
+    own = s.w
+    if rank == 0:
+        s.extra = Bomb()
+
+    def attempt(key: str) -> None:
+        try:
+            elastic.sync(s, force=True, timeout=100)  # longer than the harness: waiting for it would fail
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc), getattr(exc, "phase", None))
+        out[key + " tenure"] = elastic.tenure(s)
+        out[key + " w"] = s.w.tolist()
+
+    attempt("decode")  # rank 1 cannot unpickle the source's objects
+    s.extra = None
+    elastic.sync(s, timeout=30)  # the next sync on the same group works
+    out["after decode"] = (elastic.tenure(s), s.w.tolist(), s.w is own)
+    if rank == 0:
+        s.step, s.stateful.n = 9, 13
+        s.w.fill_(7.0)
+    attempt("apply")  # rank 1's load_state_dict raises, after its tensors were written
+    if rank == 0:
+        s.stateful.n = 14
+    report = elastic.sync(s, timeout=30)
+    out["after apply"] = (report.src, elastic.tenure(s), s.stateful.n, s.w.tolist())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_failing_to_decode_or_apply_fails_every_rank_promptly() -> None:
+    r0, r1 = run_on_ranks(_receiver_failures, 2, timeout=60)
+    for r in (r0, r1):
+        kind, msg, phase = r["decode"]
+        assert kind == "SyncError" and phase == "apply"
+        assert "failed on rank 1 (receiver): RuntimeError: this object cannot be rebuilt on rank 1" in msg
+        kind, msg, phase = r["apply"]
+        assert kind == "SyncError" and "failed on rank 1 (receiver): ValueError: 13 is refused here" in msg
+    assert r1["decode tenure"] == 4 and r1["decode w"] == [1.0] * 4  # nothing written: not torn
+    assert r0["decode tenure"] == 5 and r0["decode w"] == [0.0] * 4
+    assert r0["after decode"] == r1["after decode"] == (5, [0.0] * 4, True)
+    assert r1["apply tenure"] is None and r0["apply tenure"] == 9  # written, then failed: torn
+    assert r0["after apply"] == r1["after apply"] == (0, 9, 14, [7.0] * 4)
