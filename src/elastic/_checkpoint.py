@@ -45,7 +45,7 @@ from ._manifest import (
     validate,
 )
 from ._sync import sync_in
-from ._tenure import Incomparable, check_saveable, current, elect, exceeds, greater
+from ._tenure import Incomparable, as_saveable, check_saveable, current, elect, exceeds, greater
 from ._timeouts import as_timedelta
 from ._tree import (
     kind_of,
@@ -319,6 +319,7 @@ def _saveable_top(top: Any) -> Any:
             "sync). Load or train first, or make the tenure callable return a value"
         )
         raise CheckpointError(msg) from None
+    top = as_saveable(top)  # a numpy integer step saves as an int
     check_saveable(top)
     return top
 
