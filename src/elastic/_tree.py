@@ -573,9 +573,12 @@ def receive_targets(
     which: Which,
     device_for: Callable[[TensorMeta], torch.device],
     index: dict[Path, torch.Tensor] | None = None,
+    *,
+    any_device: bool = False,
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Where each incoming tensor goes: the receiver's own tensor at the same path when it has the same
-    shape, dtype and device type (written in place), otherwise a new tensor allocated from the metadata on
+    shape, dtype and device type (any device type with `any_device`: the caller copies across devices),
+    written in place; otherwise a new tensor allocated from the metadata on
     `device_for(meta)` (an ordinary tensor with the source's strides and `requires_grad`, also under
     `torch.inference_mode()`). An alias the receiver lacks becomes a view of its carrier's target, so
     storage shared on the source is shared here; `fill_aliases` completes the rest once the carriers
@@ -591,7 +594,7 @@ def receive_targets(
             mine is not None
             and tuple(mine.shape) == meta.shape
             and mine.dtype == meta.dtype
-            and mine.device.type == meta.device_type
+            and (any_device or mine.device.type == meta.device_type)
         )
         if fits:
             targets[i] = mine
