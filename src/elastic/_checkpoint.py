@@ -530,6 +530,13 @@ def load(
     _check_bool(trusted, "trusted", "load")
     _check_bool(strict, "strict", "load")
     g = Collective.of(group, as_timedelta(timeout, "load"), "load")
+    with torch.inference_mode(False):  # tensors it allocates must be ordinary ones (see sync)
+        return _load_in(state, config, root, g, trusted, strict)
+
+
+def _load_in(
+    state: Any, config: StateConfig, root: Path, g: Collective, trusted: bool, strict: bool
+) -> LoadReport:
     records = g.gather_checked(_load_record(state, config, root), "load-scan", _scan_failure(g.world))
     search = _Search(records)
     while (choice := search.next()) is not None:

@@ -41,6 +41,7 @@ from ._tree import (
     StateNode,
     TensorSlot,
     apply_fields,
+    canonical_state_dict,
     kind_of,
     path_str,
     tensor_index,
@@ -314,7 +315,9 @@ def _check_module(
         for k, c in zip(inner.keys, inner.children)
         if isinstance(c, TensorSlot)
     }
-    have = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    have = {  # names without DDP / torch.compile prefixes, as they were saved
+        k: tuple(v.shape) for k, v in canonical_state_dict(module).items() if isinstance(v, torch.Tensor)
+    }
     problems = [f"{k}: missing from the checkpoint" for k in have if k not in saved]
     problems += [f"{k}: not in this module" for k in saved if k not in have]
     problems += [
