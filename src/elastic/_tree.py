@@ -284,13 +284,23 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
         metas.append(TensorMeta(path, tuple(t.shape), t.dtype, device, t.stride(), grad, -1, 0))
         if t.numel():
             storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), []).append(i)
-        return TensorSlot(i)
+        return _slot(i)
 
     skeleton = _walk_state(state, (), which, leaf)
     for members in storages.values():
         if len(members) > 1:
             _link_aliases(tensors, metas, members)
     return Flat(skeleton=skeleton, tensors=tensors, metas=metas, originals=originals)
+
+
+_SLOTS: list[TensorSlot] = []
+
+
+def _slot(i: int) -> TensorSlot:
+    """`TensorSlot(i)`, shared (slots are immutable): building 2,000 per sync costs more than a lookup."""
+    if i >= len(_SLOTS):
+        _SLOTS.extend(TensorSlot(k) for k in range(len(_SLOTS), 2 * i + 64))
+    return _SLOTS[i]
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -370,7 +380,11 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
         return _walk_state(value, path, which, leaf)
     if kind == "dict":
         keys = tuple(value.keys())
-        children = tuple(_walk(value[k], (*path, k), which, leaf) for k in keys)
+        tensor = torch.Tensor
+        children = tuple(  # a state dict is mostly tensors: those skip the dispatch
+            leaf(v, (*path, k)) if type(v) is tensor else _walk(v, (*path, k), which, leaf)
+            for k, v in value.items()
+        )
         return ContainerNode("dict", type(value), keys, children)
     if kind in ("list", "tuple"):
         if all(type(v) in _ATOMIC for v in value):
