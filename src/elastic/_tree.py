@@ -36,7 +36,15 @@ __all__ = [
     "materialize",
     "RestoreNode",
     "canonical_state_dict",
+    "RNG_KINDS",
+    "as_nodes",
     "carriers",
+    "from_nodes",
+    "metas_of",
+    "staged",
+    "staging_buffer",
+    "staging_fits",
+    "to_save",
     "copy_state",
     "fill_aliases",
     "path_str",
@@ -337,6 +345,74 @@ def _link_aliases(tensors: list[torch.Tensor], metas: list[TensorMeta], members:
             carriers.append((i, start, span))
 
 
+def metas_of(paths: list[Path], tensors: list[torch.Tensor], devices: list[str]) -> list[TensorMeta]:
+    """The metadata of tensors read back from a checkpoint (`torch.load` keeps storage sharing, strides and
+    `requires_grad`), with the aliases among them linked as `flatten` links a live state's."""
+    metas = [
+        TensorMeta(p, tuple(t.shape), t.dtype, d, t.stride(), t.requires_grad, -1, 0)
+        for p, t, d in zip(paths, tensors, devices)
+    ]
+    storages: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    for members in storages.values():
+        if len(members) > 1:
+            _link_aliases(tensors, metas, members)
+    return metas
+
+
+def to_save(flat: Flat) -> list[torch.Tensor]:
+    """The tensors a checkpoint stores: the flattened ones, with `requires_grad` where the state's had it
+    (detached leaves sharing the state's storage, so `torch.save` still writes shared bytes once)."""
+    return [
+        t.detach().requires_grad_(True) if m.requires_grad else t for t, m in zip(flat.tensors, flat.metas)
+    ]
+
+
+def staged(
+    tensors: list[torch.Tensor], metas: list[TensorMeta], buffer: Callable[[int], torch.Tensor]
+) -> list[torch.Tensor]:
+    """Copies of `tensors` for a background write: `buffer(i)` gives a buffer shaped like carrier `i`
+    (see `staging_buffer`); aliases become views of their carrier's copy, so the bytes are staged and
+    written once and sharing survives."""
+    out: list[Any] = [None] * len(tensors)
+    for i in carriers(metas):
+        buf = buffer(i)
+        buf.copy_(tensors[i].detach(), non_blocking=buf.is_pinned())
+        out[i] = buf
+    for i, m in enumerate(metas):
+        if m.alias >= 0:
+            out[i] = _as_view(out[m.alias], m._replace(requires_grad=False))
+    return [t.detach().requires_grad_(True) if m.requires_grad else t for t, m in zip(out, metas)]
+
+
+def staging_fits(buf: torch.Tensor | None, meta: TensorMeta, pin: bool) -> bool:
+    """Whether a staging buffer kept from the last async save can hold carrier `meta` again."""
+    return (
+        buf is not None
+        and tuple(buf.shape) == meta.shape
+        and buf.dtype == meta.dtype
+        and buf.stride() == _layout(meta)
+        and buf.is_pinned() == pin
+    )
+
+
+def staging_buffer(meta: TensorMeta, pin: bool) -> torch.Tensor:
+    """A CPU buffer for carrier `meta`, with its strides where they are dense (channels_last kept)."""
+    return torch.empty_strided(meta.shape, _layout(meta), dtype=meta.dtype, pin_memory=pin)
+
+
+def _layout(meta: TensorMeta) -> tuple[int, ...]:
+    if meta.stride is not None and _numel(meta.shape) > 1 and _dense(meta.shape, meta.stride):
+        return meta.stride
+    out, n = [], 1
+    for d in reversed(meta.shape):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
+
+
 def carriers(metas: list[TensorMeta]) -> list[int]:
     """The indices of the tensors whose bytes travel (the others are views of one of them)."""
     return [i for i, m in enumerate(metas) if m.alias < 0]
@@ -420,6 +496,35 @@ def _rng_node(value: Any, path: Path, leaf: Leaf) -> RestoreNode:
     return RestoreNode(kind, _plain_state(value.bit_generator.state))
 
 
+def as_nodes(value: Any) -> Any:
+    """Plain data (a generator's state: nested tuples, lists, dicts of numbers) as skeleton containers, so a
+    checkpoint's skeleton codec stores it as it stores any container."""
+    if isinstance(value, ContainerNode):
+        return value
+    if type(value) is tuple or type(value) is list:
+        kind = "tuple" if type(value) is tuple else "list"
+        return ContainerNode(kind, type(value), (), tuple(as_nodes(v) for v in value))
+    if type(value) is dict:
+        keys = tuple(value)
+        return ContainerNode("dict", dict, keys, tuple(as_nodes(value[k]) for k in keys))
+    return value
+
+
+def from_nodes(node: Any) -> Any:
+    """The inverse of `as_nodes`."""
+    if isinstance(node, ContainerNode):
+        items = [from_nodes(c) for c in node.children]
+        if node.kind == "dict":
+            return dict(zip(node.keys, items))
+        return tuple(items) if node.kind == "tuple" else items
+    return node
+
+
+#: The generator kinds a checkpoint may name (and the numpy bit generators a numpy Generator may use).
+RNG_KINDS = frozenset({"torch.Generator", "random.Random", "numpy.RandomState", "numpy.Generator"})
+_BIT_GENERATORS = frozenset({"PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"})
+
+
 def _restore(node: RestoreNode, current: Any, tensors: list[torch.Tensor]) -> Any:
     """Set a generator's state in place (a new generator when the receiver has none of that kind)."""
     if rng_kind(current) != node.kind:
@@ -446,7 +551,12 @@ def _new_rng(node: RestoreNode) -> Any:
 
     if node.kind == "numpy.RandomState":
         return np.random.RandomState()
-    return np.random.Generator(getattr(np.random, node.state["bit_generator"])())
+    name = node.state.get("bit_generator") if isinstance(node.state, dict) else None
+    if name not in _BIT_GENERATORS:
+        known = sorted(_BIT_GENERATORS)
+        msg = f"a numpy Generator state names the bit generator {name!r}; expected one of {known}"
+        raise TypeError(msg)
+    return np.random.Generator(getattr(np.random, name)())
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
