@@ -38,7 +38,17 @@ import attrs
 import cloudpickle
 import torch
 
-from ._tree import ContainerNode, StatefulNode, StateNode, TensorSlot, path_str
+from ._tree import (
+    RNG_KINDS,
+    ContainerNode,
+    RestoreNode,
+    StatefulNode,
+    StateNode,
+    TensorSlot,
+    as_nodes,
+    from_nodes,
+    path_str,
+)
 
 __all__ = [
     "CHUNK",
@@ -140,6 +150,8 @@ def encode_skeleton(skeleton: StateNode) -> Encoded:
             }
         if isinstance(node, StatefulNode):
             return {"$": "stateful", "k": node.kind, "v": enc(node.inner, path)}
+        if isinstance(node, RestoreNode):  # a generator's state is plain data: no pickle needed
+            return {"$": "rng", "k": node.kind, "d": node.device, "v": enc(as_nodes(node.state), path)}
         if isinstance(node, ContainerNode):
             if node.kind == "dict":
                 tag = "dict" if node.type is dict else "odict"
@@ -210,6 +222,11 @@ def decode_skeleton(plain: Any, n_tensors: int, objects: Callable[[int], Any]) -
             kind: Any = node.get("k")
             need(kind in ("module", "optimizer", "stateful"), f"unknown stateful kind {kind!r}")
             return StatefulNode(kind=kind, inner=dec(node.get("v")))
+        if tag == "rng":
+            rng: Any = node.get("k")
+            device: Any = node.get("d")
+            need(rng in RNG_KINDS and type(device) is str, f"unknown generator kind {rng!r}")
+            return RestoreNode(kind=rng, state=from_nodes(dec(node.get("v"))), device=device)
         if tag in ("dict", "odict"):
             keys: Any = node.get("k")
             values = items(node)
@@ -268,6 +285,8 @@ def slot_paths(node: Any, path: tuple[Any, ...] = ()) -> dict[int, tuple[Any, ..
                 walk(child, (*p, name))
         elif isinstance(n, StatefulNode):
             walk(n.inner, p)
+        elif isinstance(n, RestoreNode):
+            walk(n.state, (*p, "state"))  # a torch.Generator's state, as `_tree.flatten` names it
         elif isinstance(n, ContainerNode):
             if n.kind == "dict":
                 for k, child in zip(n.keys, n.children):

@@ -37,14 +37,18 @@ from ._lineage import lineage, set_lineage
 from ._manifest import InvalidCheckpoint, skipped, validate
 from ._tree import (
     ContainerNode,
+    RestoreNode,
     StatefulNode,
     StateNode,
     TensorSlot,
     apply_fields,
     canonical_state_dict,
+    carriers,
+    fill_aliases,
     kind_of,
+    metas_of,
     path_str,
-    tensor_index,
+    receive_targets,
 )
 
 __all__ = ["Refused", "Status", "Verification", "read", "read_into"]
@@ -265,6 +269,8 @@ def _saved_kind(node: Any) -> str:
         return node.kind
     if isinstance(node, StateNode):
         return "state"
+    if isinstance(node, RestoreNode):
+        return "rng"
     if isinstance(node, ContainerNode):
         return node.kind
     return "none" if node is None else "object"
@@ -332,11 +338,11 @@ def _check_module(
         raise Refused("mismatch", msg)
 
 
-def _placed(tensor: torch.Tensor, device_type: str) -> torch.Tensor:
-    """A loaded tensor moved off the memory map, onto the device type it was saved from where available."""
+def _device(device_type: str) -> torch.device:
+    """Where a loaded tensor the state lacks goes: the device type it was saved from where available."""
     if device_type == "cuda" and torch.cuda.is_available():
-        return tensor.to(torch.device("cuda", torch.cuda.current_device()), copy=True)
-    return tensor.clone()
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _apply(
@@ -351,20 +357,21 @@ def _apply(
     `verified`, when given, is waited for after the tensors are copied and before anything else changes;
     it raises if the checksums do not match (the state is then left torn)."""
     paths = slot_paths(node)
-    index = tensor_index(state, "save")
+    slots = [i for i in range(len(tensors)) if i in paths]
+    # the loaded tensors share storage as the saved ones did: aliases become views again
+    metas = metas_of([paths[i] for i in slots], [tensors[i] for i in slots], [devices[i] for i in slots])
+    # the state's own tensor wherever shape and dtype match (copy_ crosses devices), else a new one (with
+    # the saved strides and requires_grad) on the device type it was saved from where available
+    found, fits = receive_targets(state, metas, "save", lambda m: _device(m.device_type), any_device=True)
     targets = list(tensors)
     in_place = [False] * len(tensors)
+    for i, target, mine in zip(slots, found, fits):
+        targets[i], in_place[i] = target, mine
     set_lineage(state, token=None, torn=True)  # until the whole checkpoint is in
     with torch.no_grad(), one_torch_thread():
-        for i, p in paths.items():
-            src = tensors[i]
-            mine = index.get(p)
-            if mine is not None and mine.shape == src.shape and mine.dtype == src.dtype:
-                mine.detach().copy_(src)
-                targets[i] = mine
-                in_place[i] = True
-            else:
-                targets[i] = _placed(src, devices[i])
+        for n in carriers(metas):
+            found[n].detach().copy_(tensors[slots[n]])
+        fill_aliases(found, metas)
         if verified is not None:
             verified()
         apply_fields(state, node, targets, in_place)
