@@ -387,7 +387,7 @@ class Carry:
     extra: Any = None
 
 
-def _carry(rank: int, world: int) -> dict[str, Any]:
+def _carry(rank: int, world: int, root: str) -> dict[str, Any]:
     import random
 
     import numpy as np
@@ -434,6 +434,23 @@ def _carry(rank: int, world: int) -> dict[str, Any]:
     elastic.verify(s)  # generators, numpy states and all: identical by value
     out["verified"] = True
 
+    # A checkpoint written from rank 0's DDP-wrapped model loads into plain models, and back.
+    written = elastic.save(s, f"{root}/wrapped")
+    plain_model = Tied()
+    plain = Carry(plain_model, torch.optim.Adam(plain_model.parameters(), lr=0.1))
+    elastic.load(plain, f"{root}/wrapped")
+    out["ddp to plain"] = (written.name, plain_model.emb.weight.sum().item(), plain.step)
+    out["plain tied"] = plain_model.head.weight is plain_model.emb.weight
+    plain.step = 6
+    with torch.no_grad():
+        plain_model.emb.weight.fill_(0.5)
+    elastic.save(plain, f"{root}/plain")
+    back_model = Tied()
+    wrapped = DDP(back_model, process_group=alone) if rank == 0 else back_model
+    back = Carry(wrapped, torch.optim.Adam(back_model.parameters(), lr=0.1))
+    elastic.load(back, f"{root}/plain")
+    out["plain to ddp"] = (back_model.emb.weight.sum().item(), back.step)
+
     def attempt(key: str, state: Any) -> None:
         before = [p.detach().clone() for p in tied.parameters()]
         try:
@@ -460,8 +477,8 @@ def _carry(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_what_sync_carries_on_real_ranks() -> None:
-    r0, r1 = run_on_ranks(_carry, 2)
+def test_what_sync_carries_on_real_ranks(tmp_path: Any) -> None:
+    r0, r1 = run_on_ranks(_carry, 2, args=(str(tmp_path),))
     # tied weights, the view and the second field travel once: 40 (tied) + 81 (Adam's two moments and
     # step) + 12 + 3 + 120 + 2 floats, and the generator's 5056 bytes
     assert r0["tensor_bytes"] == r1["tensor_bytes"] == (40 + 81 + 12 + 3 + 120 + 2) * 4 + 5056
@@ -472,6 +489,9 @@ def test_what_sync_carries_on_real_ranks() -> None:
     assert r1["same_generators"] and r1["draws"] == r0["draws"]
     assert r1["weights"] == r0["weights"]
     assert r0["verified"] and r1["verified"]
+    for r in (r0, r1):
+        assert r["ddp to plain"] == ("ckpt-000000000005", r0["weights"], 5) and r["plain tied"]
+        assert r["plain to ddp"] == (0.5 * 40, 6)
     for key, needle in [
         ("optimizer class", "field 'opt': Adam optimizer with 1 param group(s)"),
         ("param groups", "Adam optimizer with 2 param group(s)"),
