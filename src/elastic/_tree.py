@@ -155,17 +155,44 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @attrs.define
 class Flat:
-    """A flattened state: the skeleton and its tensors, in slot order."""
+    """A flattened state: the skeleton and its tensors, in slot order.
+
+    The walk records only each tensor and its path; the metadata a transfer needs (shape, strides,
+    storage sharing) is computed on first use of `metas`, so that a sync with nothing to move pays for
+    the walk and the schema only."""
 
     skeleton: StateNode
     tensors: list[torch.Tensor]
-    metas: list[TensorMeta]
+    paths: list[Path]
     #: the tensor objects themselves (`tensors` are their detached views): where a receiver writes in place
-    originals: list[torch.Tensor] = attrs.field(factory=list)
+    originals: list[torch.Tensor]
+    grads: list[bool]
+    _metas: list[TensorMeta] | None = None
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        """Per tensor, what a receiver needs to place it, with the aliases among them linked."""
+        if self._metas is None:
+            self._metas = _metas_of(self.paths, self.tensors, self.grads)
+        return self._metas
 
     def index(self) -> dict[Path, torch.Tensor]:
         """The state's own tensors by path, as `tensor_index` finds them (from the same walk)."""
-        return {m.path: t for m, t in zip(self.metas, self.originals)}
+        return dict(zip(self.paths, self.originals))
+
+
+def _metas_of(paths: list[Path], tensors: list[torch.Tensor], grads: list[bool]) -> list[TensorMeta]:
+    metas = []
+    storages: dict[tuple[str, int], list[int]] = {}
+    for i, (path, t, grad) in enumerate(zip(paths, tensors, grads)):
+        device = "cpu" if t.is_cpu else t.device.type
+        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, device, t.stride(), grad, -1, 0))
+        if t.numel():
+            storages.setdefault((device, t.untyped_storage().data_ptr()), []).append(i)
+    for members in storages.values():
+        if len(members) > 1:
+            _link_aliases(tensors, metas, members)
+    return metas
 
 
 def path_str(path: Path) -> str:
@@ -276,29 +303,22 @@ def check_tensor(tensor: torch.Tensor, path: Path) -> None:
 def flatten(state: Any, which: Which = "sync") -> Flat:
     """Flatten the `which` fields of a state into a skeleton and its tensors (never modifies `state`)."""
     tensors: list[torch.Tensor] = []
-    metas: list[TensorMeta] = []
-
+    paths: list[Path] = []
     originals: list[torch.Tensor] = []
-    storages: dict[tuple[str, int], list[int]] = {}
+    grads: list[bool] = []
 
     def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:  # per tensor per sync: kept lean
         grad = tensor.requires_grad
         t = tensor.detach() if grad or type(tensor) is not torch.Tensor else tensor  # state dicts: detached
         check_tensor(t, path)
-        i = len(tensors)
         tensors.append(t)
+        paths.append(path)
         originals.append(tensor)
-        device = "cpu" if t.is_cpu else t.device.type
-        metas.append(TensorMeta(path, tuple(t.shape), t.dtype, device, t.stride(), grad, -1, 0))
-        if t.numel():
-            storages.setdefault((t.device.type, t.untyped_storage().data_ptr()), []).append(i)
-        return _slot(i)
+        grads.append(grad)
+        return _slot(len(tensors) - 1)
 
     skeleton = _walk_state(state, (), which, leaf)
-    for members in storages.values():
-        if len(members) > 1:
-            _link_aliases(tensors, metas, members)
-    return Flat(skeleton=skeleton, tensors=tensors, metas=metas, originals=originals)
+    return Flat(skeleton=skeleton, tensors=tensors, paths=paths, originals=originals, grads=grads)
 
 
 _SLOTS: list[TensorSlot] = []
@@ -833,14 +853,14 @@ def _digest(obj: Any) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
 
 
-def _node_schema(node: Any, metas: list[TensorMeta]) -> Any:
+def _node_schema(node: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(node, TensorSlot):
         return ("tensor",)
     if isinstance(node, StatefulNode):
         if node.kind == "module":
             inner = node.inner
             layout = tuple(
-                (k, metas[c.index].shape, str(metas[c.index].dtype))
+                (k, tuple(tensors[c.index].shape), str(tensors[c.index].dtype))
                 for k, c in zip(inner.keys, inner.children)
                 if isinstance(c, TensorSlot)
             )
@@ -849,7 +869,7 @@ def _node_schema(node: Any, metas: list[TensorMeta]) -> Any:
             return ("optimizer", node.type_name, _param_groups(node.inner))
         return (node.kind, node.type_name)
     if isinstance(node, StateNode):
-        return ("state", _state_schema(node, metas))
+        return ("state", _state_schema(node, tensors))
     if isinstance(node, RestoreNode):
         return ("rng", node.kind)
     if isinstance(node, ContainerNode):
@@ -872,13 +892,13 @@ def _param_groups(inner: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(out)
 
 
-def _state_schema(node: StateNode, metas: list[TensorMeta]) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    return (node.qualname, tuple((name, _node_schema(c, metas)) for name, c in node.fields.items()))
+def _state_schema(node: StateNode, tensors: list[torch.Tensor]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    return (node.qualname, tuple((name, _node_schema(c, tensors)) for name, c in node.fields.items()))
 
 
 def schema_from(flat: Flat) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """The schema of a flattened state (its synced fields), from the same walk that flattened it."""
-    return _state_schema(flat.skeleton, flat.metas)
+    return _state_schema(flat.skeleton, flat.tensors)
 
 
 def schema_of(state: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
