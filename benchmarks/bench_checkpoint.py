@@ -8,13 +8,16 @@ table reports medians over rounds and the ratios to bare torch measured in the s
   reference vs `torch.save` followed by `os.fsync`;
 - load: `elastic.load(state, root)` (manifest scan, checksum verification, in-place apply) vs
   `torch.load(file, weights_only=True)` plus `model.load_state_dict` and `optimizer.load_state_dict`;
-- async: how long `elastic.save(state, root, blocking=False)` blocks the caller, against a blocking save.
+- async: how long `elastic.save(state, root, blocking=False)` blocks the caller, against a blocking save;
+- s3 (``--section s3``, needs the ``dev`` extra): `elastic.save`/`elastic.load` of the same state to an S3
+  server on loopback (moto's `ThreadedMotoServer`, in this process) against s3fs `put_file`/`get_file` of
+  one file of the same bytes (the bare `torch.save` file), interleaved in the same run.
 
 Before each timed call the disk is synced (untimed), so that no call pays for another's writeback. CPU
 seconds (all threads of this process) are printed too: on a shared machine wall times depend on how many
 cores are idle, and elastic's checksums run on a second core while the first writes or copies.
 
-Run: ``python benchmarks/bench_checkpoint.py [--rounds 7] [--mib 256] [--dir DIR]``.
+Run: ``python benchmarks/bench_checkpoint.py [--rounds 7] [--mib 256] [--dir DIR] [--section all|local|s3]``.
 """
 
 from __future__ import annotations
@@ -76,8 +79,15 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=str, default=None, help="where to write (default: a temporary directory)"
     )
+    parser.add_argument("--section", choices=("all", "local", "s3"), default="all")
     args = parser.parse_args()
+    if args.section in ("all", "local"):
+        local_section(args)
+    if args.section in ("all", "s3"):
+        s3_section(args)
 
+
+def local_section(args: argparse.Namespace) -> None:
     load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     state = build(args.mib)
     size = state_bytes(state)
@@ -169,6 +179,86 @@ def main() -> None:
         ratio = med[ours] / med[theirs]
         print(
             f"| {label} | {med[ours]:.3f} s | {med[theirs]:.3f} s | {ratio:.2f}x | {target} "
+            f"| {cpu[ours]:.3f} / {cpu[theirs]:.3f} |"
+        )
+
+
+def s3_section(args: argparse.Namespace) -> None:
+    """elastic.save/load to a loopback S3 server vs s3fs put_file/get_file of one file of the same bytes."""
+    try:
+        import s3fs
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        print("\ns3: skipped (install the dev extra: fsspec, s3fs, moto[server])")
+        return
+    import logging
+    import socket
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        opts = {
+            "key": "bench",
+            "secret": "bench",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+        }
+        fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+        fs.mkdir("bench")
+        load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        state = build(args.mib)
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            bare_file = Path(tmp) / "bare.pt"
+            back_file = Path(tmp) / "back.pt"
+            torch.save(
+                {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, bare_file
+            )
+            size = bare_file.stat().st_size
+
+            def put() -> None:
+                fs.put_file(str(bare_file), "bench/bare/state.pt")
+
+            def get() -> None:
+                fs.get_file("bench/bare/state.pt", str(back_file))
+
+            def our_save() -> None:
+                state.step += 1
+                elastic.save(state, "s3://bench/ckpt", keep=2, storage_options=opts)
+
+            def our_load() -> None:
+                steps = state.step
+                state.step = 0
+                report = elastic.load(state, "s3://bench/ckpt", storage_options=opts)
+                assert report.source == "checkpoint", report
+                state.step = steps
+
+            times: dict[str, list[tuple[float, float]]] = {k: [] for k in ("put", "save", "get", "load")}
+            for _ in range(args.rounds + 1):  # the first round warms caches and is dropped
+                times["put"].append(timed(put))
+                times["save"].append(timed(our_save))
+                times["get"].append(timed(get))
+                times["load"].append(timed(our_load))
+            med = {k: statistics.median(w for w, _ in v[1:]) for k, v in times.items()}
+            cpu = {k: statistics.median(c for _, c in v[1:]) for k, v in times.items()}
+    finally:
+        server.stop()
+    print()
+    print(
+        f"s3 (moto server on loopback): {size / 2**20:.0f} MiB; {args.rounds} interleaved rounds, medians; "
+        f"load average before {load_before}"
+    )
+    print()
+    print("| operation | elastic | s3fs | ratio | target | CPU s elastic / s3fs |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, ours, theirs in (
+        ("save to s3:// vs s3fs `put_file`", "save", "put"),
+        ("load from s3:// (verified, in place) vs s3fs `get_file`", "load", "get"),
+    ):
+        print(
+            f"| {label} | {med[ours]:.3f} s | {med[theirs]:.3f} s | {med[ours] / med[theirs]:.2f}x | <= 1.3x "
             f"| {cpu[ours]:.3f} / {cpu[theirs]:.3f} |"
         )
 

@@ -570,7 +570,7 @@ def _free_port() -> int:
 
 def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
     from elastic._comm import Comm
-    from elastic._transport import is_direct, send_tensors
+    from elastic._transport import BroadcastTransport
     from elastic._tree import flatten
 
     device = torch.device(cfg["device"])
@@ -620,14 +620,15 @@ def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
             pk,
         )
         flat = flatten(state, "sync")
-        direct = [is_direct(t, comm.device) for t in flat.tensors]
+        transport = BroadcastTransport()
+        direct = transport.plan(flat.tensors, comm)
         errors: list[BaseException] = []
         before = [t.clone() for t in flat.tensors]
         with Peak(device) as pk:
-            send_tensors(comm, 0, flat.tensors, direct, flat.metas, errors.append)
+            transport.send(comm, 0, flat.tensors, flat.metas, direct, errors.append)
         good, n = same_values(flat.tensors, before)
         row(
-            "send_tensors (source's half)",
+            "BroadcastTransport.send (source's half)",
             not errors and good == n,
             f"{sum(direct)} direct, {len(direct) - sum(direct)} bucketed; "
             + (f"error {errors[0]!r}" if errors else "source unchanged"),

@@ -31,11 +31,11 @@ import torch
 import elastic
 from dist_harness import run_on_ranks
 from elastic import _checkpoint as C
-from elastic import _ckpt_format as F
 from elastic import _ckpt_read as R
 from elastic import _ckpt_write as W
 from elastic import _manifest as M
-from elastic._ckpt_format import CHUNK, hash_file
+from elastic import _storage as S
+from elastic._ckpt_io import CHUNK, hash_file
 
 # ---------------------------------------------------------------------------------------------------------
 # States
@@ -189,7 +189,7 @@ def _resign(directory: Path) -> None:
     mpath = directory / "manifest.json"
     manifest = json.loads(mpath.read_text())
     for name, rec in manifest["files"].items():
-        rec["size"], rec["crc32_tree"] = hash_file(directory / name, rec["chunk"])
+        rec["size"], rec["crc32_tree"] = hash_file(S.LOCAL, directory / name, rec["chunk"])
     manifest["digest"] = M._digest_of(manifest)
     mpath.write_bytes(M.manifest_bytes(manifest))
 
@@ -730,7 +730,7 @@ def test_retention_keeps_the_most_tenured_and_the_new_one(tmp_path: Path) -> Non
 
 
 def test_stale_temporary_directories_are_cleaned(tmp_path: Path) -> None:
-    host = W.host_tag()
+    host = S.host_tag()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".tmp-{host}-{dead.pid}-0123abcd"
@@ -781,7 +781,7 @@ def test_writer_errors_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     def full(fd: int, view: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(F, "_write_all", full)
+    monkeypatch.setattr(S, "_write_all", full)
     with pytest.raises(
         elastic.CheckpointError, match=r"No space left on device\. Free disk space, lower keep="
     ):

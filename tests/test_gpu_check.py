@@ -87,7 +87,7 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
         ("world1/gloo", "sync"),
         ("world1/gloo", "verify"),
         ("world1/gloo", "object payloads on cpu"),
-        ("world1/gloo", "send_tensors (source's half)"),
+        ("world1/gloo", "BroadcastTransport.send (source's half)"),
         ("world1/gloo", "save"),
         ("world1/gloo", "load"),
         ("world1/gloo", "save(blocking=False)"),
@@ -99,7 +99,7 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
     assert rows[("ckpt", "load: values equal the async save's")][1] == "128/128 tensors bitwise equal"
     assert re.match(
         r"[1-9][0-9]* direct, [0-9]+ bucketed; source unchanged",
-        rows[("world1/gloo", "send_tensors (source's half)")][1],
+        rows[("world1/gloo", "BroadcastTransport.send (source's half)")][1],
     )
     timing = rows[("sync", "time: sync(force=True) vs one flat broadcast")]
     assert timing[0] == "info" and re.search(r"\(gloo, CPU\): [0-9.]+x", timing[1]), timing

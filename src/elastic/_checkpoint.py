@@ -1,7 +1,8 @@
 """Checkpoints: collective `save` and `load`, the async save handle, and the `Stateful` protocol methods.
 
 `save` elects the writer (the most tenured rank, lowest in ties; one per node with ``scope="node"``), which
-writes the checkpoint into a temporary directory inside the root, fsyncs it and renames it into place; the
+writes the checkpoint through the root's storage (`_locate`: a local directory, written into a temporary
+directory, fsynced and renamed into place; or an fsspec URL, data objects first and the manifest last); the
 other ranks wait in one small all-gather that tells everyone the path or the writer's error.
 
 `load` lets every rank look at the manifests it can see, all-gathers (memory tenure, checkpoints), and
@@ -37,6 +38,7 @@ from ._errors import (
     UntrustedCheckpointError,
 )
 from ._lineage import lineage
+from ._locate import locate
 from ._manifest import (
     InvalidCheckpoint,
     is_checkpoint_dir,
@@ -44,6 +46,7 @@ from ._manifest import (
     skipped,
     validate,
 )
+from ._storage import LOCAL, Storage
 from ._sync import sync_in
 from ._tenure import Incomparable, as_saveable, check_saveable, current, elect, exceeds, greater
 from ._timeouts import as_timedelta
@@ -79,18 +82,9 @@ class LoadReport:
     source: Literal["checkpoint", "memory"]
     src: int
     tenure: Any
-    path: Path | None
+    path: Path | str | None
     world_size: int
     saved_world_size: int | None = None
-
-
-def _as_path(path: Any, op: str) -> Path:
-    try:
-        return Path(os.fspath(path))
-    except TypeError:
-        what = f"{type(path).__name__} {path!r}"
-        msg = f"{op}(path=...) must be a str or os.PathLike naming a directory, got {what}"
-        raise TypeError(msg) from None
 
 
 def _check_bool(value: Any, name: str, op: str) -> None:
@@ -134,7 +128,9 @@ def _save_failure(rank: int, error: str) -> TenureError:
     return TenureError(msg)
 
 
-def _conclude(outcomes: Sequence[_w.Outcome | None], mine: int, world: int) -> Path:
+def _conclude(
+    outcomes: Sequence[_w.Outcome | None], mine: int, world: int, storage: Storage = LOCAL
+) -> Path | str:
     failed = [o for o in outcomes if o is not None and o.error is not None]
     if failed:
         parts = []
@@ -147,7 +143,7 @@ def _conclude(outcomes: Sequence[_w.Outcome | None], mine: int, world: int) -> P
     if outcome is None or outcome.path is None:  # cannot happen: every writer reports
         msg = f"save: rank {mine} (the writer) reported no result"
         raise CheckpointError(msg) from None
-    return Path(outcome.path)
+    return storage.result(outcome.path)
 
 
 class SaveHandle:
@@ -158,12 +154,20 @@ class SaveHandle:
     whether this rank's part is finished. The next `save` waits for this one first.
     """
 
-    def __init__(self, group: Collective, mine: int, job: _w.Job | None, error: _w.Outcome | None) -> None:
+    def __init__(
+        self,
+        group: Collective,
+        mine: int,
+        job: _w.Job | None,
+        error: _w.Outcome | None,
+        storage: Storage = LOCAL,
+    ) -> None:
         self._group = group
+        self._storage = storage
         self._mine = mine
         self._outcome: _w.Outcome | None = error
         self._lock = threading.Lock()
-        self._result: Path | CheckpointError | None = None
+        self._result: Path | str | CheckpointError | None = None
         self._thread: threading.Thread | None = None
         if job is not None:
             self._thread = threading.Thread(target=self._work, args=(job,), name="elastic-save", daemon=False)
@@ -178,7 +182,7 @@ class SaveHandle:
         """Whether this rank's part of the save has finished (local; does not raise)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | str:
         """The path once the checkpoint is durable, or the writer's error, on every rank (collective)."""
         global _inflight
         with self._lock:
@@ -187,7 +191,7 @@ class SaveHandle:
                     self._thread.join()
                 try:
                     outcomes = self._group.gather(self._outcome, "save-commit")
-                    self._result = _conclude(outcomes, self._mine, self._group.world)
+                    self._result = _conclude(outcomes, self._mine, self._group.world, self._storage)
                 except CheckpointError as exc:
                     self._result = exc
                 finally:
@@ -229,7 +233,8 @@ def save(
     blocking: Literal[True] = ...,
     scope: Scope = ...,
     timeout: timedelta | float | None = ...,
-) -> Path: ...
+    storage_options: dict[str, Any] | None = ...,
+) -> Path | str: ...
 
 
 @overload
@@ -242,6 +247,7 @@ def save(
     blocking: Literal[False],
     scope: Scope = ...,
     timeout: timedelta | float | None = ...,
+    storage_options: dict[str, Any] | None = ...,
 ) -> SaveHandle: ...
 
 
@@ -255,7 +261,8 @@ def save(
     blocking: bool = ...,
     scope: Scope = ...,
     timeout: timedelta | float | None = ...,
-) -> Path | SaveHandle: ...
+    storage_options: dict[str, Any] | None = ...,
+) -> Path | str | SaveHandle: ...
 
 
 def save(
@@ -267,7 +274,8 @@ def save(
     blocking: bool = True,
     scope: Scope = "global",
     timeout: timedelta | float | None = None,
-) -> Path | SaveHandle:
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str | SaveHandle:
     """Write a checkpoint of the most tenured state under the root `path` (collective).
 
     The most tenured rank (lowest in ties) writes; with ``scope="rank"`` every rank writes its own copy to
@@ -282,9 +290,13 @@ def save(
     tensors to CPU; ``handle.wait()`` (collective) returns the path or raises the writer's error.
     `timeout` (seconds or `timedelta`) bounds every collective, including the wait for the writer.
     A writer's failure raises `CheckpointError` on every rank. Fields with ``save=False`` are not written.
+
+    `path` may be an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``; needs the
+    ``elastic-state[remote]`` extra), with `storage_options` passed to fsspec: the data objects are uploaded
+    first and the manifest last, and the checkpoint's URL is returned as a string.
     """
     config = config_of(state, "elastic.save()")
-    root = _as_path(path, "save")
+    storage, root = locate(path, storage_options, "save")
     _check_save_options(keep, blocking, scope)
     deadline = as_timedelta(timeout, "save")
     _settle_inflight()
@@ -294,11 +306,11 @@ def save(
     best = elect(tenures, "save")
     top = _saveable_top(tenures[best])
     mine, writers = _writers(state, config, g, scope, records, best)
-    job, failure = _prepare_write(state, g, root, keep, top, writers, stage=not blocking)
+    job, failure = _prepare_write(state, g, storage, root, keep, top, writers, stage=not blocking)
     if blocking:
         outcome = _w.run_job(job) if job is not None else failure
-        return _conclude(g.gather(outcome, "save-commit"), mine, g.world)
-    return _write_in_background(g, mine, job, failure)
+        return _conclude(g.gather(outcome, "save-commit"), mine, g.world, storage)
+    return _write_in_background(g, mine, job, failure, storage)
 
 
 def _check_save_options(keep: Any, blocking: Any, scope: Any) -> None:
@@ -349,22 +361,29 @@ def _writers(
 
 
 def _prepare_write(
-    state: Any, g: Collective, root: Path, keep: int | None, top: Any, writers: set[int], stage: bool
+    state: Any,
+    g: Collective,
+    storage: Storage,
+    root: Any,
+    keep: int | None,
+    top: Any,
+    writers: set[int],
+    stage: bool,
 ) -> tuple[_w.Job | None, _w.Outcome | None]:
     """A writer's job (tensors staged to CPU when `stage`), or the outcome saying why it has none."""
     if g.rank not in writers:
         return None, None
     try:
-        return _w.prepare(state, root, keep, g.rank, g.world, top, stage=stage), None
+        return _w.prepare(state, root, keep, g.rank, g.world, top, stage=stage, storage=storage), None
     except Exception as exc:
         return None, _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(root))
 
 
 def _write_in_background(
-    g: Collective, mine: int, job: _w.Job | None, failure: _w.Outcome | None
+    g: Collective, mine: int, job: _w.Job | None, failure: _w.Outcome | None, storage: Storage
 ) -> SaveHandle:
     global _inflight
-    handle = SaveHandle(g, mine, job, failure)
+    handle = SaveHandle(g, mine, job, failure, storage)
     with _inflight_lock:
         _inflight = handle
     return handle
@@ -379,9 +398,19 @@ def save_method(
     blocking: bool = True,
     scope: Scope = "global",
     timeout: timedelta | float | None = None,
-) -> Path | SaveHandle:
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str | SaveHandle:
     """Write a checkpoint of the most tenured state under `path` (collective); see `elastic.save`."""
-    return save(self, path, group=group, keep=keep, blocking=blocking, scope=scope, timeout=timeout)
+    return save(
+        self,
+        path,
+        group=group,
+        keep=keep,
+        blocking=blocking,
+        scope=scope,
+        timeout=timeout,
+        storage_options=storage_options,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -407,24 +436,25 @@ class _LoadRecord:
     error: tuple[str, str] | None = None
 
 
-def _load_record(state: Any, config: StateConfig, root: Path) -> _LoadRecord:
+def _load_record(state: Any, config: StateConfig, root: Any, storage: Storage = LOCAL) -> _LoadRecord:
     try:
         value = current(state, config, lineage(state))
         cloudpickle.dumps(value)
     except Exception as exc:
         return _LoadRecord(error=("tenure", f"{type(exc).__name__}: {exc}"))
     try:
-        if is_checkpoint_dir(root):
+        if is_checkpoint_dir(root, storage):
             try:
-                c = validate(root)
+                c = validate(root, storage)
             except InvalidCheckpoint as exc:
                 skipped("load", str(exc))
                 return _LoadRecord(tenure=value, single=True, corrupt=(str(exc),))
             seen: tuple[_Seen, ...] = (_Seen(c.tenure, c.created_ns, str(c.path), c.world_size),)
             return _LoadRecord(tenure=value, seen=seen, single=True)
-        found = scan(root, op="load")
+        found = scan(root, op="load", storage=storage)
     except Exception as exc:
-        return _LoadRecord(tenure=value, error=("scan", f"cannot list {root}: {type(exc).__name__}: {exc}"))
+        text = storage.explain(exc) or f"{type(exc).__name__}: {exc}"
+        return _LoadRecord(tenure=value, error=("scan", f"cannot list {root}: {text}"))
     return _LoadRecord(
         tenure=value, seen=tuple(_Seen(c.tenure, c.created_ns, str(c.path), c.world_size) for c in found)
     )
@@ -508,6 +538,7 @@ def load(
     trusted: bool = False,
     strict: bool = True,
     timeout: timedelta | float | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadReport:
     """Restore the most tenured state in the group, from memory or from a checkpoint in `path` (collective).
 
@@ -524,28 +555,33 @@ def load(
     checkpoint lacks and ignores (with a warning) fields the class no longer has. `local()` fields are
     never touched; a ``sync=False`` field is restored on the reading rank only. `on_sync` runs afterwards
     on every rank.
+
+    `path` may be an fsspec URL (see `elastic.save`; `storage_options` go to fsspec): only prefixes with a
+    complete, checksum-verified manifest count, and `LoadReport.path` is the checkpoint's URL.
     """
     config = config_of(state, "elastic.load()")
-    root = _as_path(path, "load")
+    storage, root = locate(path, storage_options, "load")
     _check_bool(trusted, "trusted", "load")
     _check_bool(strict, "strict", "load")
     g = Collective.of(group, as_timedelta(timeout, "load"), "load")
     with torch.inference_mode(False):  # tensors it allocates must be ordinary ones (see sync)
-        return _load_in(state, config, root, g, trusted, strict)
+        return _load_in(state, config, storage, root, g, trusted, strict)
 
 
 def _load_in(
-    state: Any, config: StateConfig, root: Path, g: Collective, trusted: bool, strict: bool
+    state: Any, config: StateConfig, storage: Storage, root: Any, g: Collective, trusted: bool, strict: bool
 ) -> LoadReport:
-    records = g.gather_checked(_load_record(state, config, root), "load-scan", _scan_failure(g.world))
+    records = g.gather_checked(
+        _load_record(state, config, root, storage), "load-scan", _scan_failure(g.world)
+    )
     search = _Search(records)
     while (choice := search.next()) is not None:
         reader = choice[0]
-        verdict = _read_on_reader(state, g, search, choice, trusted, strict)
+        verdict = _read_on_reader(state, g, storage, search, choice, trusted, strict)
         if verdict.torn:
             search.lost_memory(reader)
         if verdict.kind == "ok":
-            return _share_checkpoint(state, config, g, reader, search.seen(choice))
+            return _share_checkpoint(state, config, g, storage, reader, search.seen(choice))
         if verdict.kind != "corrupt":
             raise _read_error(verdict, reader, g.world)
         search.skip(choice, verdict.message)
@@ -562,20 +598,28 @@ def _load_in(
 
 
 def _read_on_reader(
-    state: Any, g: Collective, search: _Search, choice: tuple[int, int], trusted: bool, strict: bool
+    state: Any,
+    g: Collective,
+    storage: Storage,
+    search: _Search,
+    choice: tuple[int, int],
+    trusted: bool,
+    strict: bool,
 ) -> _r.Status:
     """The reader reads, verifies and applies the checkpoint; every rank learns its verdict."""
     reader = choice[0]
     status = None
     if g.rank == reader:
-        path = Path(search.seen(choice).path)
-        status = _r.read(state, path, trusted, strict, search.expendable(choice))
+        path = storage.result(search.seen(choice).path)
+        status = _r.read(state, path, trusted, strict, search.expendable(choice), storage)
     verdict = g.gather(status, "load-read")[reader]
     assert verdict is not None  # the reader always reports
     return verdict
 
 
-def _share_checkpoint(state: Any, config: StateConfig, g: Collective, reader: int, seen: _Seen) -> LoadReport:
+def _share_checkpoint(
+    state: Any, config: StateConfig, g: Collective, storage: Storage, reader: int, seen: _Seen
+) -> LoadReport:
     """The reader holds the checkpoint: broadcast it to every rank, then run `on_sync`."""
     report = sync_in(state, config, g, src=reader, force=True, op="load", notify=False)
     if config.on_sync is not None:
@@ -591,7 +635,7 @@ def _share_checkpoint(state: Any, config: StateConfig, g: Collective, reader: in
         source="checkpoint",
         src=reader,
         tenure=report.tenure,
-        path=Path(seen.path),
+        path=storage.result(seen.path),
         world_size=g.world,
         saved_world_size=seen.world_size,
     )
@@ -614,9 +658,18 @@ def load_method(
     trusted: bool = False,
     strict: bool = True,
     timeout: timedelta | float | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadReport:
     """Restore the most tenured state in the group from memory or `path` (collective); see `elastic.load`."""
-    return load(self, path, group=group, trusted=trusted, strict=strict, timeout=timeout)
+    return load(
+        self,
+        path,
+        group=group,
+        trusted=trusted,
+        strict=strict,
+        timeout=timeout,
+        storage_options=storage_options,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

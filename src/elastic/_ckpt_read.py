@@ -21,20 +21,14 @@ import attrs
 import cloudpickle
 import torch
 
-from ._ckpt_format import (
-    CONTENT,
-    CONTENT_VERSION,
-    OBJECTS,
-    TREE_KEY,
-    FormatError,
-    decode_skeleton,
-    hash_file,
-    one_torch_thread,
-    slot_paths,
-)
+from ._ckpt_codec import CONTENT, CONTENT_VERSION, OBJECTS, FormatError, decode_skeleton, slot_paths
+from ._ckpt_io import TREE_KEY, hash_file
 from ._config import saved_fields
 from ._lineage import lineage, set_lineage
 from ._manifest import InvalidCheckpoint, skipped, validate
+from ._placement import Placement
+from ._storage import LOCAL, Storage
+from ._threads import one_torch_thread
 from ._tree import (
     ContainerNode,
     RestoreNode,
@@ -72,10 +66,13 @@ class Refused(Exception):
         self.kind = kind
 
 
-def read(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool) -> Status:
+def read(
+    state: Any, directory: Any, trusted: bool, strict: bool, stream: bool, storage: Storage = LOCAL
+) -> Status:
     """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
     try:
-        read_into(state, directory, trusted, strict, stream)
+        with storage.session(directory):
+            read_into(state, directory, trusted, strict, stream, storage)
         return Status("ok")
     except InvalidCheckpoint as exc:
         skipped("load", str(exc))
@@ -83,23 +80,23 @@ def read(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool)
     except Refused as exc:
         return Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
     except Exception as exc:
-        text = f"reading {directory} failed: {type(exc).__name__}: {exc}"
+        text = f"reading {directory} failed: {storage.explain(exc) or f'{type(exc).__name__}: {exc}'}"
         return Status("error", text, torn=lineage(state).torn)
 
 
 class Verification:
     """Checksums of one file computed on a helper thread (`wait` raises `InvalidCheckpoint`)."""
 
-    def __init__(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+    def __init__(self, directory: Any, manifest: dict[str, Any], name: str, storage: Storage = LOCAL) -> None:
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(directory, manifest, name), name="elastic-verify", daemon=True
+            target=self._run, args=(directory, manifest, name, storage), name="elastic-verify", daemon=True
         )
         self._thread.start()
 
-    def _run(self, directory: Path, manifest: dict[str, Any], name: str) -> None:
+    def _run(self, directory: Any, manifest: dict[str, Any], name: str, storage: Storage) -> None:
         try:
-            _verify(directory, manifest, name)
+            _verify(directory, manifest, name, storage)
         except BaseException as exc:
             self._error = exc
 
@@ -109,11 +106,11 @@ class Verification:
             raise self._error
 
 
-def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
+def _verify(directory: Any, manifest: dict[str, Any], name: str, storage: Storage = LOCAL) -> None:
     rec = manifest["files"][name]
-    fpath = directory / name
+    fpath = storage.join(directory, name)
     try:
-        size, digest = hash_file(fpath, rec["chunk"])
+        size, digest = hash_file(storage, fpath, rec["chunk"])
     except OSError as exc:
         raise InvalidCheckpoint(f"{fpath}: cannot be read ({exc})") from None
     if size != rec["size"]:
@@ -124,10 +121,12 @@ def _verify(directory: Path, manifest: dict[str, Any], name: str) -> None:
         raise InvalidCheckpoint(f"{fpath}: checksum mismatch: the file is damaged or was altered")
 
 
-def read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: bool = False) -> None:
+def read_into(
+    state: Any, directory: Any, trusted: bool, strict: bool, stream: bool = False, storage: Storage = LOCAL
+) -> None:
     """Read, verify and apply one checkpoint. With `stream`, the content file is verified while it is
     parsed and copied in (the state is torn if it turns out corrupt); otherwise before."""
-    manifest = validate(directory).manifest
+    manifest = validate(directory, storage).manifest
     cls = type(state)
     saved_class = manifest.get("class")
     if saved_class != f"{cls.__module__}.{cls.__qualname__}":
@@ -154,11 +153,11 @@ def read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: 
             "(numbers, strings, lists, dicts, tensors) in these fields"
         )
         raise Refused("untrusted", msg)
-    verification = Verification(directory, manifest, CONTENT) if stream else None
+    verification = Verification(directory, manifest, CONTENT, storage) if stream else None
     if verification is None:
-        _verify(directory, manifest, CONTENT)
+        _verify(directory, manifest, CONTENT, storage)
     try:
-        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed)
+        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed, storage)
     except BaseException:
         if verification is not None:
             verification.wait()  # a checksum mismatch explains a parse failure best
@@ -168,45 +167,53 @@ def read_into(state: Any, directory: Path, trusted: bool, strict: bool, stream: 
 
 def _parse(
     state: Any,
-    directory: Path,
+    directory: Any,
     manifest: dict[str, Any],
     trusted: bool,
     strict: bool,
     applied: list[str],
     needed: list[Any],
+    storage: Storage,
 ) -> tuple[StateNode, list[torch.Tensor], list[str]]:
-    """Load the content (weights_only, mmap) and objects, decode the skeleton and check it against the
-    live state. Writes nothing into the state."""
+    """Load the content (weights_only, memory-mapped where the storage maps files) and objects, decode the
+    skeleton and check it against the live state. Writes nothing into the state."""
     objects: list[Any] = []
+    opath, cpath = storage.join(directory, OBJECTS), storage.join(directory, CONTENT)
     if needed:
-        _verify(directory, manifest, OBJECTS)
+        _verify(directory, manifest, OBJECTS, storage)
         try:
-            with open(directory / OBJECTS, "rb") as f:
+            with storage.open_read(opath) as f:
                 objects = cloudpickle.load(f)
         except Exception as exc:
             msg = (
-                f"could not unpickle {directory / OBJECTS} ({type(exc).__name__}: {exc}); the classes and "
+                f"could not unpickle {opath} ({type(exc).__name__}: {exc}); the classes and "
                 "functions it refers to must be importable here"
             )
             raise Refused("error", msg) from None
         if not isinstance(objects, list):
-            raise InvalidCheckpoint(f"{directory / OBJECTS}: does not hold a list of objects")
+            raise InvalidCheckpoint(f"{opath}: does not hold a list of objects")
     try:
-        payload = torch.load(directory / CONTENT, map_location="cpu", weights_only=True, mmap=True)
+        payload = _load_content(storage, cpath)
     except Exception as exc:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InvalidCheckpoint(
-            f"{directory / CONTENT}: cannot be loaded safely ({type(exc).__name__}: {text})"
-        ) from None
-    tensors, devices, skeleton = _unpack(directory, payload, applied, objects)
+        raise InvalidCheckpoint(f"{cpath}: cannot be loaded safely ({type(exc).__name__}: {text})") from None
+    tensors, devices, skeleton = _unpack(cpath, payload, applied, objects)
     node = _reconcile(skeleton, state, (), strict, tensors, directory)
     return node, tensors, devices
 
 
+def _load_content(storage: Storage, location: Any) -> Any:
+    """`torch.load(weights_only=True)` of the content file: memory-mapped from a local file, else read."""
+    local = storage.local_path(location)
+    if local is not None:
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+    with storage.open_read(location) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def _unpack(
-    directory: Path, payload: Any, applied: list[str], objects: list[Any]
+    where: Any, payload: Any, applied: list[str], objects: list[Any]
 ) -> tuple[list[torch.Tensor], list[str], StateNode]:
-    where = directory / CONTENT
     if not (isinstance(payload, dict) and payload.get("format") == CONTENT_VERSION):
         raise InvalidCheckpoint(f"{where}: is not an elastic-state content file of version {CONTENT_VERSION}")
     tensors, devices, plain = payload.get("tensors"), payload.get("devices"), payload.get("skeleton")
@@ -338,13 +345,6 @@ def _check_module(
         raise Refused("mismatch", msg)
 
 
-def _device(device_type: str) -> torch.device:
-    """Where a loaded tensor the state lacks goes: the device type it was saved from where available."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _apply(
     state: Any,
     node: StateNode,
@@ -360,9 +360,12 @@ def _apply(
     slots = [i for i in range(len(tensors)) if i in paths]
     # the loaded tensors share storage as the saved ones did: aliases become views again
     metas = metas_of([paths[i] for i in slots], [tensors[i] for i in slots], [devices[i] for i in slots])
+    cpu = Placement(torch.device("cpu"))
     # the state's own tensor wherever shape and dtype match (copy_ crosses devices), else a new one (with
     # the saved strides and requires_grad) on the device type it was saved from where available
-    found, fits = receive_targets(state, metas, "save", lambda m: _device(m.device_type), any_device=True)
+    found, fits = receive_targets(
+        state, metas, "save", lambda m: cpu.allocate_on(m.device_type), any_device=True
+    )
     targets = list(tensors)
     in_place = [False] * len(tensors)
     for i, target, mine in zip(slots, found, fits):

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import posixpath
 import re
 import warnings
 from collections.abc import Iterable
@@ -22,7 +23,9 @@ from typing import Any
 
 import attrs
 
-from ._ckpt_format import CONTENT, HASH, MANIFEST, OBJECTS, TREE_KEY
+from ._ckpt_codec import CONTENT, MANIFEST, OBJECTS
+from ._ckpt_io import HASH, TREE_KEY
+from ._storage import LOCAL, Misplaced, Storage
 from ._tenure import order_key
 
 __all__ = [
@@ -141,7 +144,7 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
 class Candidate:
     """A complete-looking checkpoint: where it is and what its manifest says (files not yet verified)."""
 
-    path: Path
+    path: Any  # a `Path`, or the storage's own location (a URL)
     tenure: Any
     created_ns: int
     world_size: int
@@ -149,19 +152,20 @@ class Candidate:
 
     @property
     def order(self) -> tuple[Any, ...]:
-        return (order_key(self.tenure), self.created_ns, self.path.name)
+        name = self.path.name if isinstance(self.path, Path) else posixpath.basename(str(self.path))
+        return (order_key(self.tenure), self.created_ns, name)
 
 
-def is_checkpoint_dir(path: Path) -> bool:
+def is_checkpoint_dir(path: Any, storage: Storage = LOCAL) -> bool:
     """Whether `path` is one checkpoint directory (it has a manifest) rather than a root of several."""
-    return os.path.lexists(path / MANIFEST)
+    return storage.exists(storage.join(path, MANIFEST))
 
 
-def _bad(path: Path, what: str) -> InvalidCheckpoint:
+def _bad(path: Any, what: str) -> InvalidCheckpoint:
     return InvalidCheckpoint(f"{path}: {what}")
 
 
-def _inside(directory: Path, name: Any) -> bool:
+def _inside(name: Any) -> bool:
     """Whether `name` is a plain file name (no separators, no '..', not absolute)."""
     return (
         isinstance(name, str)
@@ -174,25 +178,29 @@ def _inside(directory: Path, name: Any) -> bool:
     )
 
 
-def _stat(path: Path, missing: str) -> os.stat_result:
-    """`os.stat(path)`, or `InvalidCheckpoint` saying `missing` (absent) or that it cannot be read."""
+def _size(storage: Storage, path: Any, missing: str, directory: Any = None) -> int:
+    """The size of the file at `path` (of checkpoint file `path`'s name in `directory`, checked to be a
+    plain file inside it), or `InvalidCheckpoint` saying `missing` (absent) or why it cannot be used."""
     try:
-        return os.stat(path)
+        if directory is None:
+            return storage.size(path)
+        return storage.file_size(directory, storage.name(path))
     except FileNotFoundError:
         raise _bad(path, missing) from None
+    except Misplaced as exc:
+        raise _bad(path, str(exc)) from None
     except OSError as exc:
         raise _bad(path, f"cannot be read ({exc})") from None
 
 
-def validate(directory: Path) -> Candidate:
+def validate(directory: Any, storage: Storage = LOCAL) -> Candidate:
     """Read and check one checkpoint's manifest (and its files' sizes); `InvalidCheckpoint` otherwise."""
-    mpath = directory / MANIFEST
-    st = _stat(mpath, "missing: the checkpoint is incomplete")
-    if st.st_size > MAX_MANIFEST:
-        raise _bad(mpath, f"is {st.st_size} bytes, too large to be a manifest")
+    mpath = storage.join(directory, MANIFEST)
+    size = _size(storage, mpath, "missing: the checkpoint is incomplete")
+    if size > MAX_MANIFEST:
+        raise _bad(mpath, f"is {size} bytes, too large to be a manifest")
     try:
-        with open(mpath, "rb") as f:
-            raw = f.read(MAX_MANIFEST + 1)
+        raw = storage.read_bytes(mpath, MAX_MANIFEST + 1)
         manifest = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise _bad(mpath, f"is not valid JSON ({type(exc).__name__}: {exc})") from None
@@ -228,13 +236,9 @@ def validate(directory: Path) -> Candidate:
         raise _bad(mpath, f"lists no {CONTENT}")
     if bool(objects) != (OBJECTS in files):
         raise _bad(mpath, f"lists objects but no {OBJECTS} (or the reverse)")
-    real_dir = os.path.realpath(directory)
     for name, rec in files.items():
-        if not _inside(directory, name) or name == MANIFEST:
+        if not _inside(name) or name == MANIFEST:
             raise _bad(mpath, f"lists the file {name!r}, which is not a plain name inside the checkpoint")
-        fpath = directory / name
-        if os.path.dirname(os.path.realpath(fpath)) != real_dir:
-            raise _bad(fpath, "resolves outside the checkpoint directory")
         if not (
             isinstance(rec, dict)
             and isinstance(rec.get("size"), int)
@@ -245,13 +249,10 @@ def validate(directory: Path) -> Candidate:
             and len(rec[TREE_KEY]) == 64
         ):
             raise _bad(mpath, f"has a malformed record for {name}")
-        fst = _stat(fpath, "is missing: the checkpoint is incomplete")
-        if not os.path.isfile(fpath):
-            raise _bad(fpath, "is not a regular file")
-        if fst.st_size != rec["size"]:
-            raise _bad(
-                fpath, f"is {fst.st_size} bytes, the manifest says {rec['size']}: truncated or altered"
-            )
+        fpath = storage.join(directory, name)
+        fsize = _size(storage, fpath, "is missing: the checkpoint is incomplete", directory)
+        if fsize != rec["size"]:
+            raise _bad(fpath, f"is {fsize} bytes, the manifest says {rec['size']}: truncated or altered")
     return Candidate(path=directory, tenure=tenure, created_ns=created, world_size=world, manifest=manifest)
 
 
@@ -259,31 +260,24 @@ def _is_field(f: Any) -> bool:
     return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("kind"), str)
 
 
-def scan(root: Path, *, warn: bool = True, op: str = "load") -> list[Candidate]:
+def scan(root: Any, *, warn: bool = True, op: str = "load", storage: Storage = LOCAL) -> list[Candidate]:
     """The valid checkpoints directly under `root`, most tenured first (manifests only, no checksums).
 
     Hidden entries (temporary and doomed directories start with '.') are skipped. A directory that looks
     like a checkpoint but fails validation is skipped with a warning naming the file (when `warn`).
     A missing `root` holds no checkpoints.
     """
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     found: list[Candidate] = []
-    for entry in entries:
-        if entry.name.startswith("."):
+    for entry in storage.entries(root):
+        if entry.name.startswith(".") or not entry.is_dir:
             continue
+        directory = entry.location
+        if not is_checkpoint_dir(directory, storage) and (
+            storage.in_place or not entry.name.startswith(PREFIX)
+        ):
+            continue  # not ours, or (written in place, manifest last) not complete yet
         try:
-            if not entry.is_dir():
-                continue
-        except OSError:
-            continue
-        directory = Path(entry.path)
-        if not is_checkpoint_dir(directory) and not entry.name.startswith(PREFIX):
-            continue  # not ours
-        try:
-            found.append(validate(directory))
+            found.append(validate(directory, storage))
         except InvalidCheckpoint as exc:
             if warn:
                 skipped(op, str(exc))

@@ -42,6 +42,7 @@ from typing import Any
 import cloudpickle
 
 from ._errors import WorkerError
+from ._procs import running
 from ._timeouts import as_timedelta
 
 __all__ = ["spawn"]
@@ -508,22 +509,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(part, path)
 
 
-def _running(pid: int) -> bool:
-    """False once process `pid` has exited (a zombie, waiting to be reaped, has exited)."""
-    if Path("/proc/self").exists():
-        try:
-            return _proc_path(pid, "stat").read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-        except (OSError, IndexError):
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _dead_peers(out: Path, restart: int, rank: int, wait: float = 0.1) -> list[int]:
     """Ranks of this attempt whose process has already ended (polled for up to `wait` seconds).
 
@@ -539,7 +524,7 @@ def _dead_peers(out: Path, restart: int, rank: int, wait: float = 0.1) -> list[i
                 pid = int(path.read_text())
             except (OSError, ValueError):
                 continue
-            if not _running(pid):
+            if not running(pid):
                 dead.append(peer)
         if dead or time.monotonic() >= deadline:
             return dead

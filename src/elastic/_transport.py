@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ._comm import Comm, fault_point
+from ._threads import one_torch_thread
 from ._tree import TensorMeta
 
 __all__ = [
@@ -274,15 +275,8 @@ def release_buffers() -> None:
 @contextmanager
 def _quiet() -> Iterator[None]:
     """No autograd, and torch's intra-op pool kept out of the communication threads' way."""
-    before = torch.get_num_threads()
-    if before > 1:
-        torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if before > 1:
-            torch.set_num_threads(before)
+    with one_torch_thread(), torch.no_grad():
+        yield
 
 
 def unflatten_public(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
