@@ -35,8 +35,7 @@ from ._tree import (
     fill_aliases,
     flatten,
     receive_targets,
-    schema_from,
-    schema_of,
+    scan_schema,
 )
 
 __all__ = [
@@ -93,26 +92,27 @@ def _local_record(
 
 def _scan(
     state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
-) -> tuple[Record, Flat | None]:
-    """This rank's election record and, with the schema, the flattened state it was computed from: one
-    walk of the state serves the schema, the source's tensors and the receiver's in-place targets."""
+) -> tuple[Record, dict[Any, Any] | None]:
+    """This rank's election record and, with the schema, the module state dicts the schema took: a sync
+    that moves the state flattens it with them (one `state_dict()` per module per sync), one with nothing
+    to move never flattens."""
     try:
         value = current(state, config, line)
     except Exception as exc:
         return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), None
     schema = None
-    flat = None
+    sds = None
     if with_schema:
         try:
-            flat = flatten(state, "sync")
-            schema = digests_of(schema_from(flat))
+            full, sds = scan_schema(state)
+            schema = digests_of(full)
         except Exception as exc:
             return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None
     try:
         cloudpickle.dumps(value)
     except Exception as exc:
         return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src), None
-    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), flat
+    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), sds
 
 
 def _record_failure(op: str) -> Callable[[int, tuple[str, str]], Exception]:
@@ -162,7 +162,7 @@ def _check_schemas(group: Collective, records: Sequence[Record], state: Any, op:
         return
     # Everyone saw the mismatch: gather the full schemas once more to say exactly what differs.
     try:
-        mine: Any = schema_of(state)
+        mine: Any = scan_schema(state)[0]
     except Exception as exc:  # still take part: the others are already in the all-gather
         mine = (f"<schema failed: {type(exc).__name__}: {exc}>", ())
     full = group.gather(mine, "schema")
@@ -430,7 +430,7 @@ def _sync_in(
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
-    mine, scanned = _scan(state, config, line, src, with_schema=True)
+    mine, sds = _scan(state, config, line, src, with_schema=True)
     records = _elect_records(group, mine, op)
     given = _check_src(records, group.world, op)
     _check_schemas(group, records, state, op)
@@ -449,8 +449,7 @@ def _sync_in(
         log.debug("%s: replicas already identical (tenure %r, lineage %s)", op, tenures[0], records[0].token)
     else:
         chosen = transport if transport is not None else default_transport()
-        assert scanned is not None  # a record without an error comes with its walk
-        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, scanned)
+        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, sds)
     _finish(state, config, report, op, notify)
     return report
 
@@ -504,27 +503,32 @@ def _transfer(
     transport: Transport,
     op: str,
     started: float,
-    scanned: Flat,
+    sds: dict[Any, Any] | None,
 ) -> SyncReport:
     """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
 
-    `scanned` is this rank's state as the election walked it: the source's tensors, a receiver's
-    in-place targets. Tensors that share storage with another (tied weights, views) travel once, inside
-    their carrier, and are rebuilt as views on the receivers."""
+    One walk of the state (with the module state dicts the election took, `sds`) gives the source its
+    tensors and a receiver its in-place targets. Tensors that share storage with another (tied weights,
+    views) travel once, inside their carrier, and are rebuilt as views on the receivers."""
     comm = group.comm
     assert comm is not None  # a transfer needs a group
     failures = _Failures()
+    own: dict[Any, torch.Tensor] | BaseException = {}
     if comm.rank == src:
-        flat, data, built = _pack_objects(scanned, comm, src, src_tenure, line, transport)
+        flat, data, built = _pack_objects(state, sds, comm, src, src_tenure, line, transport)
     else:
         flat, data, built = None, None, None
+        try:  # walk our own tree while the source flattens and pickles
+            own = flatten(state, "sync", sds).index()
+        except Exception as exc:
+            own = exc
     payload, object_bytes = _exchange_objects(comm, src, data, built, op)
     moving = carriers(payload.metas)
     if flat is not None:
         sent = [flat.tensors[i] for i in moving]
         transport.send(comm, src, sent, [payload.metas[i] for i in moving], payload.plan, failures.add)
     else:
-        _receive(state, comm, src, payload, moving, scanned.index(), transport, failures)
+        _receive(state, comm, src, payload, moving, own, transport, failures)
     _commit(group, src, failures, op)
     set_lineage(state, token=payload.token, torn=payload.torn)
     return SyncReport(
@@ -538,12 +542,19 @@ def _transfer(
 
 
 def _pack_objects(
-    flat: Flat, comm: Comm, src: int, src_tenure: Any, line: Lineage, transport: Transport
+    state: Any,
+    sds: dict[Any, Any] | None,
+    comm: Comm,
+    src: int,
+    src_tenure: Any,
+    line: Lineage,
+    transport: Transport,
 ) -> tuple[Flat | None, bytes, Payload | None]:
     """The source's objects: the skeleton, tensor metadata, the transport's plan and the new lineage, in one
     cloudpickle payload (or one that carries the source's error). Returns the flattened state too."""
     try:
         fault_point("flatten", comm.rank)
+        flat = flatten(state, "sync", sds)
         plan = transport.plan([flat.tensors[i] for i in carriers(flat.metas)], comm)
         token = None if line.torn else uuid.uuid4().hex
         payload = Payload(flat.skeleton, flat.metas, plan, token, line.torn, src_tenure)
@@ -577,7 +588,7 @@ def _receive(
     src: int,
     payload: Payload,
     moving: list[int],
-    own: dict[Any, torch.Tensor],
+    own: dict[Any, torch.Tensor] | BaseException,
     transport: Transport,
     failures: _Failures,
 ) -> None:
@@ -589,6 +600,8 @@ def _receive(
     every rank raises the same `SyncError` then, and the group's collectives stay in step."""
     try:
         fault_point("decode", comm.rank)
+        if isinstance(own, BaseException):
+            raise own
         skeleton = payload.skeleton_here()
         targets, in_place = receive_targets(
             state, payload.metas, "sync", lambda m: transport.device_for(m, comm), index=own

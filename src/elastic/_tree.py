@@ -49,7 +49,7 @@ __all__ = [
     "fill_aliases",
     "path_str",
     "receive_targets",
-    "schema_from",
+    "scan_schema",
     "schema_of",
     "tensor_index",
 ]
@@ -300,8 +300,10 @@ def check_tensor(tensor: torch.Tensor, path: Path) -> None:
         raise TypeError(msg) from None
 
 
-def flatten(state: Any, which: Which = "sync") -> Flat:
-    """Flatten the `which` fields of a state into a skeleton and its tensors (never modifies `state`)."""
+def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | None = None) -> Flat:
+    """Flatten the `which` fields of a state into a skeleton and its tensors (never modifies `state`).
+
+    `state_dicts` are module state dicts by path that `scan_schema` already took (not taken again)."""
     tensors: list[torch.Tensor] = []
     paths: list[Path] = []
     originals: list[torch.Tensor] = []
@@ -317,7 +319,7 @@ def flatten(state: Any, which: Which = "sync") -> Flat:
         grads.append(grad)
         return _slot(len(tensors) - 1)
 
-    skeleton = _walk_state(state, (), which, leaf)
+    skeleton = _walk_state(state, (), which, leaf, state_dicts)
     return Flat(skeleton=skeleton, tensors=tensors, paths=paths, originals=originals, grads=grads)
 
 
@@ -454,26 +456,34 @@ def tensor_index(state: Any, which: Which = "sync") -> dict[Path, torch.Tensor]:
 Leaf = Callable[[torch.Tensor, Path], TensorSlot]
 
 
-def _walk_state(state: Any, path: Path, which: Which, leaf: Leaf) -> StateNode:
+def _walk_state(
+    state: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any] | None = None
+) -> StateNode:
     fields = {
-        name: _walk(getattr(state, name), (*path, name), which, leaf) for name in _fields_of(state, which)
+        name: _walk(getattr(state, name), (*path, name), which, leaf, sds)
+        for name in _fields_of(state, which)
     }
     return StateNode(qualname=type(state).__qualname__, fields=fields)
 
 
-def _walk(value: Any, path: Path, which: Which, leaf: Leaf) -> Any:
+def _walk(value: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any] | None = None) -> Any:
     kind = kind_of(value)
     if kind == "tensor":
         return leaf(value, path)
     if kind in ("module", "optimizer", "stateful"):
         try:
-            sd = canonical_state_dict(value) if kind == "module" else value.state_dict()
+            if kind != "module":
+                sd = value.state_dict()
+            elif sds is not None and path in sds:
+                sd = sds[path]
+            else:
+                sd = canonical_state_dict(value)
         except Exception as exc:
             msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
             raise TypeError(msg) from exc
         return StatefulNode(kind=kind, inner=_walk(sd, path, which, leaf), type_name=type(value).__qualname__)
     if kind == "state":
-        return _walk_state(value, path, which, leaf)
+        return _walk_state(value, path, which, leaf, sds)
     if kind == "dict":
         keys = tuple(value.keys())
         tensor = torch.Tensor
@@ -853,60 +863,55 @@ def _digest(obj: Any) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
 
 
-def _node_schema(node: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(node, TensorSlot):
-        return ("tensor",)
-    if isinstance(node, StatefulNode):
-        if node.kind == "module":
-            inner = node.inner
-            layout = tuple(
-                (k, tuple(tensors[c.index].shape), str(tensors[c.index].dtype))
-                for k, c in zip(inner.keys, inner.children)
-                if isinstance(c, TensorSlot)
-            )
-            return ("module", layout)
-        if node.kind == "optimizer":
-            return ("optimizer", node.type_name, _param_groups(node.inner))
-        return (node.kind, node.type_name)
-    if isinstance(node, StateNode):
-        return ("state", _state_schema(node, tensors))
-    if isinstance(node, RestoreNode):
-        return ("rng", node.kind)
-    if isinstance(node, ContainerNode):
-        return (node.kind,)
-    return ("none",) if node is None else ("object",)
-
-
-def _param_groups(inner: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
-    """(parameters, hyperparameter names) per group of an optimizer's state-dict skeleton."""
-    if not isinstance(inner, ContainerNode) or "param_groups" not in inner.keys:
-        return ()
-    groups = inner.children[inner.keys.index("param_groups")]
-    out = []
-    for g in groups.children if isinstance(groups, ContainerNode) else ():
-        if not isinstance(g, ContainerNode) or g.kind != "dict":
-            continue
-        params = g.children[g.keys.index("params")] if "params" in g.keys else None
-        n = len(params.children) if isinstance(params, ContainerNode) else 0
-        out.append((n, tuple(sorted(str(k) for k in g.keys if k != "params"))))
-    return tuple(out)
-
-
-def _state_schema(node: StateNode, tensors: list[torch.Tensor]) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    return (node.qualname, tuple((name, _node_schema(c, tensors)) for name, c in node.fields.items()))
-
-
-def schema_from(flat: Flat) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    """The schema of a flattened state (its synced fields), from the same walk that flattened it."""
-    return _state_schema(flat.skeleton, flat.tensors)
-
-
 def schema_of(state: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """The class's qualified name and, per synced field, its kind (and module layout after removing
-    wrapper prefixes, optimizer class and param-group layout). Raises `TypeError` for a field that can
-    never be synced (a DistributedSampler, a tensor subclass), so every rank learns before anything moves."""
+    wrapper prefixes, optimizer class and param-group layout); see `scan_schema`."""
     config_of(state)
-    return schema_from(flatten(state, "sync"))
+    return scan_schema(state)[0]
+
+
+def scan_schema(state: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], dict[Path, Any]]:
+    """The schema of `state` without flattening it (a sync with nothing to move needs no more), and the
+    module state dicts it took, by path, for a `flatten` that follows. Raises `TypeError` for a field that
+    can never be synced (a DistributedSampler, a tensor subclass), so every rank learns before anything
+    moves."""
+    sds: dict[Path, Any] = {}
+    return _scan_state(state, (), sds), sds
+
+
+def _scan_state(state: Any, path: Path, sds: dict[Path, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    fields = tuple(
+        (name, _value_schema(getattr(state, name), (*path, name), sds)) for name in _fields_of(state, "sync")
+    )
+    return (type(state).__qualname__, fields)
+
+
+def _value_schema(value: Any, path: Path, sds: dict[Path, Any]) -> Any:
+    kind = kind_of(value)
+    if kind == "module":
+        sd = sds[path] = canonical_state_dict(value)
+        layout = []
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                check_tensor(v, (*path, k))
+                layout.append((k, tuple(v.shape), str(v.dtype)))
+        return ("module", tuple(layout))
+    if kind == "optimizer":
+        groups = tuple(
+            (len(g["params"]), tuple(sorted(str(k) for k in g if k != "params"))) for g in value.param_groups
+        )
+        return ("optimizer", type(value).__qualname__, groups)
+    if kind == "state":
+        return ("state", _scan_state(value, path, sds))
+    if kind == "stateful":
+        return ("stateful", type(value).__qualname__)
+    if kind == "rng":
+        return ("rng", rng_kind(value))
+    if kind == "tensor":
+        check_tensor(value, path)
+    elif kind == "object":
+        check_object(value, path)
+    return (kind,)
 
 
 def digests_of(
