@@ -77,6 +77,22 @@ def test_notebook_runs_and_shows_the_workers(path: Path, kernel_name: str) -> No
     assert any("[rank 1] " in t for t in texts), "no worker output reached a cell"
     if path.stem == "quickstart":
         check_quickstart(texts)
+    if path.stem == "recovery":
+        check_recovery(texts)
+
+
+def check_recovery(texts: list[str]) -> None:
+    run_cell = next(t for t in texts if "killing this worker" in t)
+    killed = re.search(r"\[rank 2\] killing this worker \(SIGKILL\) at step (\d+)", run_cell)
+    assert killed and int(killed.group(1)) >= 40
+    assert "restarting slot 2 (restart 1 of 1)" in run_cell
+    step = killed.group(1)
+    survivor = rf"\[rank 0\] slot 0 life 0: generation \d+, rank \d of [12], starting at step {step}"
+    assert re.search(survivor, run_cell)  # went on from the step it was at
+    replacement = r"\[rank 2\] slot 2 life 1: generation \d+, rank \d of 3, starting at step \d+"
+    assert re.search(replacement, run_cell)
+    assert "final weights equal on every worker: True" in run_cell
+    assert any("survivors redid 0 steps" in t for t in texts)
 
 
 def check_quickstart(texts: list[str]) -> None:

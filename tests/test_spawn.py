@@ -441,3 +441,84 @@ def test_the_first_failure_is_a_silent_death_when_the_raising_rank_saw_it_dead(t
     (tmp_path / "error-0-0").write_bytes(pickle.dumps({**record, "dead_peers": []}))
     err = _worker_error(tmp_path, failures, 2, 0, None)
     assert (err.rank, err.exc_type, err.exc_message) == (0, "RuntimeError", "Connection closed by peer")
+
+
+# --------------------------------------------------------------------------------------------------------
+# restart="worker": the store in the caller, single workers restarted in their slots
+
+
+def _slot_worker(folder: str, fail_slot_2: bool) -> tuple[int, int, str, str, bool]:
+    import torch.distributed as dist
+
+    slot, life = int(os.environ["ELASTIC_SLOT"]), int(os.environ["ELASTIC_SLOT_RESTARTS"])
+    Path(folder, f"pid-{slot}-{life}").write_text(str(os.getpid()))
+    print(f"slot {slot} life {life}", flush=True)
+    if slot == 1 and life == 0:
+        os._exit(3)  # dies without an exception: restarted in its slot
+    if slot == 2 and fail_slot_2:
+        msg = f"slot 2 fails in life {life}"
+        raise ValueError(msg)
+    return slot, life, os.environ["ELASTIC_RDZV"], os.environ["LOCAL_RANK"], dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_worker_restarts_happen_in_the_slot_and_results_come_in_slot_order(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    results = elastic.spawn(
+        _slot_worker, 3, args=(str(tmp_path), False), restart="worker", max_restarts=1, timeout=100
+    )
+    assert [r[:2] for r in results] == [(0, 0), (1, 1), (2, 0)]  # slot order; slot 1 in its second life
+    assert len({r[2] for r in results}) == 1 and results[0][2].startswith("127.0.0.1:")  # one store
+    assert [r[3] for r in results] == ["0", "1", "2"]  # LOCAL_RANK is the slot
+    assert not any(r[4] for r in results)  # no process group: fn calls elastic.run, which makes one
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "[rank 1] slot 1 life 0" in text and "[rank 1] slot 1 life 1" in text
+    assert "slot 1 exited with exit code 3" in text and "restarting slot 1 (restart 1 of 1)" in text
+    _assert_no_workers_left(_pids_in(tmp_path))
+
+    # a slot that fails again with no restart left: WorkerError once the others are done
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(WorkerError, match="slot 2 raised ValueError: slot 2 fails in life 1") as info:
+        elastic.spawn(_slot_worker, 3, args=(str(again), True), restart="worker", max_restarts=1, timeout=100)
+    assert info.value.rank == 2 and info.value.exc_type == "ValueError"
+    assert "after 1 restart(s) of the slot" in str(info.value)
+    assert sorted(p.name for p in again.glob("pid-*")) == [
+        "pid-0-0",
+        "pid-1-0",
+        "pid-1-1",
+        "pid-2-0",
+        "pid-2-1",
+    ]
+    _assert_no_workers_left(_pids_in(again))
+
+
+INTERRUPTED_WORKERS = """
+    import os, sys, time
+    import elastic
+
+    def hang(folder):
+        open(os.path.join(folder, "pid-" + os.environ["ELASTIC_SLOT"]), "w").write(str(os.getpid()))
+        time.sleep(300)
+
+    try:
+        elastic.spawn(hang, 2, args=(sys.argv[1],), restart="worker", max_restarts=3)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_interrupting_a_worker_restart_spawn_leaves_no_worker(tmp_path: Path) -> None:
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent(INTERRUPTED_WORKERS))
+    proc = _start_and_wait_for_workers(script, tmp_path)
+    pids = _pids_in(tmp_path)
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "workers did not start"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip().splitlines()[-1] == "KeyboardInterrupt"
+    assert [p for p in pids if _is_worker(p)] == []

@@ -20,6 +20,8 @@ from ._errors import (
 )
 from ._fields import field, local
 from ._process_group import init_process_group
+from ._run import World, run
+from ._sampler import ElasticSampler
 from ._spawn import spawn
 from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
 from ._verify import verify
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DivergenceError",
     "ElasticError",
+    "ElasticSampler",
     "LoadReport",
     "SaveHandle",
     "StateMismatchError",
@@ -38,6 +41,7 @@ __all__ = [
     "SyncReport",
     "TenureError",
     "UntrustedCheckpointError",
+    "World",
     "WorkerError",
     "broadcast_state",
     "elastic_state",
@@ -46,6 +50,7 @@ __all__ = [
     "load",
     "local",
     "most_tenured_rank",
+    "run",
     "save",
     "spawn",
     "sync",

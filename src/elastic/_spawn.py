@@ -43,6 +43,7 @@ import cloudpickle
 
 from ._errors import WorkerError
 from ._procs import running
+from ._store import RDZV_ENV, format_address, serve
 from ._timeouts import as_timedelta
 
 __all__ = ["spawn"]
@@ -417,6 +418,7 @@ def spawn(
     backend: str = "gloo",
     max_restarts: int = 0,
     timeout: timedelta | float | None = None,
+    restart: str = "group",
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on `nprocs` local workers and return their results in rank order.
 
@@ -431,10 +433,23 @@ def spawn(
     traceback) after stopping the others; with ``max_restarts=k`` the whole group is first restarted up
     to k times, as torchrun does. `timeout` (seconds or timedelta) bounds the whole run. No worker
     process outlives the call, also on ``KeyboardInterrupt``.
+
+    ``restart="worker"``: for `fn` that calls `elastic.run`. This process serves the rendezvous store
+    (``ELASTIC_RDZV`` is set for the workers; no process group is started for them) and restarts only a
+    worker that dies or raises, in its slot, while the others go on, up to `max_restarts` times per slot.
+    A worker learns its slot from ``ELASTIC_SLOT`` and its life in it (0 first) from
+    ``ELASTIC_SLOT_RESTARTS``; its output is prefixed ``[rank <slot>] ``. Returns each slot's final
+    result in slot order; `WorkerError` (after the other workers finished) when a slot failed with no
+    restart left.
     """
+    if restart not in ("group", "worker"):
+        msg = f"elastic.spawn(restart=...) must be 'group' or 'worker', got {restart!r}"
+        raise ValueError(msg)
     args, kwargs = _check_args(fn, nprocs, args, kwargs, backend, max_restarts)
     td = as_timedelta(timeout, "elastic.spawn")
     seconds = None if td is None else td.total_seconds()
+    if restart == "worker":
+        return _spawn_workers(fn, nprocs, args, kwargs, max_restarts, seconds)
 
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401  (its logger, early)
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -479,6 +494,206 @@ def spawn(
         with _RUNS_LOCK:
             _RUNS.pop(run_id, None)
         _kill_leftovers(tmp, payload)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# restart="worker": this process serves the rendezvous store and restarts single workers in their slots
+# --------------------------------------------------------------------------------------------------------
+
+#: Environment variables of a worker started with restart="worker": its slot, and its life in the slot.
+_SLOT_ENV = "ELASTIC_SLOT"
+_LIFE_ENV = "ELASTIC_SLOT_RESTARTS"
+#: Seconds between two looks at the workers.
+_POLL = 0.02
+
+
+class _Pump(threading.Thread):
+    """Copies a worker's pipe, line by line as it arrives, into the caller's stream with a prefix."""
+
+    def __init__(self, pipe: Any, stream: Any, prefix: str, lock: threading.Lock) -> None:
+        super().__init__(daemon=True, name=f"elastic-spawn-output {prefix.strip()}")
+        self._pipe = pipe
+        self._stream = stream
+        self._prefix = prefix
+        self._lock = lock
+
+    def run(self) -> None:
+        with contextlib.suppress(Exception):
+            for raw in iter(self._pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                with self._lock, contextlib.suppress(Exception):
+                    self._stream.write(self._prefix + line)
+                    self._stream.flush()
+        with contextlib.suppress(Exception):
+            self._pipe.close()
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    life: int = 0
+    proc: Any = None
+    pumps: list[_Pump] = dataclasses.field(default_factory=list)
+    done: bool = False
+    error: WorkerError | None = None
+    failed_at: float = 0.0
+
+
+def _slot_failure(tmp: Path, slot: _Slot, exitcode: int) -> WorkerError:
+    """What ended life `slot.life` of `slot`: its exception, or how the process exited."""
+    path = tmp / f"error-{slot.life}-{slot.index}"
+    lives = f" in life {slot.life} of its slot" if slot.life else ""
+    if path.exists():
+        with contextlib.suppress(Exception), open(path, "rb") as f:
+            rec = pickle.load(f)
+            msg = (
+                f"slot {slot.index} raised {rec['type']}: {rec['message']}{lives}\n\n"
+                f"Traceback of slot {slot.index}:\n{rec['traceback']}"
+            )
+            return WorkerError(
+                msg,
+                rank=slot.index,
+                exc_type=rec["type"],
+                exc_message=rec["message"],
+                remote_traceback=rec["traceback"],
+            )
+    how = _signal_name(exitcode)
+    msg = (
+        f"slot {slot.index} exited with {how} without raising a Python exception{lives} "
+        "(killed, out of memory, os._exit?)"
+    )
+    return WorkerError(msg, rank=slot.index, exc_type=None, exc_message=how)
+
+
+def _start_slot(
+    slot: _Slot, payload: Path, env: dict[str, str], lock: threading.Lock, out: Any, err: Any
+) -> None:
+    import subprocess
+
+    child_env = dict(env)
+    child_env[_SLOT_ENV] = str(slot.index)
+    child_env[_LIFE_ENV] = str(slot.life)
+    child_env["LOCAL_RANK"] = str(slot.index)
+    slot.proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER_CODE, str(payload)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env,
+    )
+    prefix = f"[rank {slot.index}] "
+    slot.pumps = [_Pump(slot.proc.stdout, out, prefix, lock), _Pump(slot.proc.stderr, err, prefix, lock)]
+    for pump in slot.pumps:
+        pump.start()
+
+
+def _stop_slots(slots: list[_Slot]) -> None:
+    """SIGKILL every worker still running and reap it; wait for the output to drain."""
+    for slot in slots:
+        if slot.proc is not None and slot.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                slot.proc.kill()
+    for slot in slots:
+        if slot.proc is not None:
+            with contextlib.suppress(Exception):
+                slot.proc.wait(timeout=10)
+        for pump in slot.pumps:
+            pump.join(timeout=5)
+
+
+def _spawn_workers(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_restarts: int,
+    seconds: float | None,
+) -> list[Any]:
+    deadline = None if seconds is None else time.monotonic() + seconds
+    tmp = Path(tempfile.mkdtemp(prefix="elastic-spawn-"))
+    payload = tmp / "payload.pkl"
+    slots = [_Slot(index=i) for i in range(nprocs)]
+    store = None
+    lock = threading.Lock()
+    out, err = sys.stdout, sys.stderr
+    try:
+        config = {
+            "mode": "worker",
+            "backend": "gloo",
+            "timeout": seconds,
+            "out_dir": str(tmp),
+            "max_restarts": max_restarts,
+            "parent": os.getpid(),
+        }
+        _write_payload(payload, fn, args, kwargs, config)
+        store = serve("127.0.0.1", 0, timeout=timedelta(seconds=60))
+        address = format_address("127.0.0.1", store.port)
+        env = dict(os.environ)
+        env[RDZV_ENV] = address
+        env["PYTHONUNBUFFERED"] = "1"
+        log.debug(
+            "spawn: %d workers, restart='worker', store %s, max_restarts %d", nprocs, address, max_restarts
+        )
+        for slot in slots:
+            _start_slot(slot, payload, env, lock, out, err)
+        while not all(s.done for s in slots):
+            if deadline is not None and time.monotonic() >= deadline:
+                msg = (
+                    f"elastic.spawn timed out after {seconds:g} s: all {nprocs} workers were stopped. Raise "
+                    "timeout=, or look for a worker that hangs"
+                )
+                raise WorkerError(msg, exc_type="TimeoutError", exc_message=msg) from None
+            for slot in slots:
+                if slot.done or slot.proc.poll() is None:
+                    continue
+                code = slot.proc.returncode
+                for pump in slot.pumps:
+                    pump.join(timeout=5)
+                if code == 0 and (tmp / f"result-{slot.life}-{slot.index}").exists():
+                    slot.done = True
+                    continue
+                failure = _slot_failure(tmp, slot, code)
+                if slot.life < max_restarts:
+                    first = str(failure).splitlines()[0]
+                    with lock, contextlib.suppress(Exception):
+                        err.write(
+                            f"[rank {slot.index}] elastic.spawn: {first}; restarting slot {slot.index} "
+                            f"(restart {slot.life + 1} of {max_restarts})\n"
+                        )
+                    slot.life += 1
+                    _start_slot(slot, payload, env, lock, out, err)
+                    continue
+                slot.done = True
+                slot.error = failure
+                slot.failed_at = time.monotonic()
+            time.sleep(_POLL)
+        failed = [s for s in slots if s.error is not None]
+        if failed:
+            worst = min(failed, key=lambda s: s.failed_at)
+            assert worst.error is not None
+            if max_restarts:
+                worst.error.args = (f"{worst.error.args[0]}\n(after {max_restarts} restart(s) of the slot)",)
+            raise worst.error
+        results = []
+        for slot in slots:
+            path = tmp / f"result-{slot.life}-{slot.index}"
+            try:
+                results.append(cloudpickle.loads(path.read_bytes()))
+            except Exception as exc:
+                msg = (
+                    f"elastic.spawn: the value returned by slot {slot.index} could not be unpickled here "
+                    f"({type(exc).__name__}: {exc}); return plain data (tensors, numbers, dicts) instead"
+                )
+                raise WorkerError(
+                    msg, rank=slot.index, exc_type=type(exc).__name__, exc_message=str(exc)
+                ) from None
+        return results
+    finally:
+        _stop_slots(slots)
+        del store  # the server stops with its last reference
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -551,12 +766,17 @@ def _worker_main() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with open(sys.argv[1], "rb") as f:
         caller_path = pickle.load(f)
         config = pickle.load(f)
         body = f.read()
+    per_worker = config.get("mode") == "worker"
+    if per_worker:
+        rank = int(os.environ.get(_SLOT_ENV, "0"))
+        restart = int(os.environ.get(_LIFE_ENV, "0"))
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _die_with_parent(config["parent"])
     out = Path(config["out_dir"])
     _write_atomic(out / f"pid-{restart}-{rank}", str(os.getpid()).encode())
@@ -566,7 +786,8 @@ def _worker_main() -> None:
 
     try:
         fn, args, kwargs = cloudpickle.loads(body)
-        init_process_group(config["backend"], timeout=config["timeout"])
+        if not per_worker:  # restart="worker": fn calls elastic.run, which makes a group per generation
+            init_process_group(config["backend"], timeout=config["timeout"])
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
@@ -579,7 +800,7 @@ def _worker_main() -> None:
             type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None
         )
         record = {
-            "dead_peers": _dead_peers(out, restart, rank),
+            "dead_peers": [] if per_worker else _dead_peers(out, restart, rank),
             "rank": rank,
             "restart": restart,
             "time": time.time(),
@@ -592,8 +813,9 @@ def _worker_main() -> None:
             lines = str(exc).strip().splitlines()
             text = lines[0] if lines else ""
             text = text if len(text) <= 160 else text[:157] + "..."
+            again = "this worker in its slot" if per_worker else "the group"
             sys.stderr.write(
-                f"attempt {restart} failed with {record['type']}: {text}; elastic.spawn restarts the group\n"
+                f"attempt {restart} failed with {record['type']}: {text}; elastic.spawn restarts {again}\n"
             )
         sys.stdout.flush()
         sys.stderr.flush()
