@@ -274,6 +274,89 @@ def test_plain_state_never_needs_trust_and_loads_with_torch(tmp_path: Path) -> N
     assert dst.scaler.state_dict() == src.scaler.state_dict()
 
 
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Carried:
+    """What a checkpoint must carry beyond values: aliasing, layout, requires_grad, generators in place."""
+
+    step: int = 0
+    model: Any = None
+    base: Any = None
+    view: Any = None
+    a: Any = None
+    b: Any = None
+    nhwc: Any = None
+    learned: Any = None
+    gen: Any = None
+    rnd: Any = None
+    nprs: Any = None
+    npgen: Any = None
+
+
+def _carried(step: int) -> Carried:
+    import numpy as np
+
+    torch.manual_seed(step)
+    base = torch.arange(1000.0)
+    shared = torch.full((3,), 7.0)
+    return Carried(
+        step=step,
+        model=torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)),
+        base=base,
+        view=base[10:20],
+        a=shared,
+        b=shared,
+        nhwc=torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        learned=torch.ones(2, requires_grad=True),
+        gen=torch.Generator().manual_seed(step),
+        rnd=random.Random(step),
+        nprs=np.random.RandomState(step),
+        npgen=np.random.default_rng(step),
+    )
+
+
+def _draws(s: Carried) -> tuple[Any, ...]:
+    return (torch.rand(2, generator=s.gen).tolist(), s.rnd.random(), s.nprs.rand(), s.npgen.random())
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_what_a_checkpoint_carries(tmp_path: Path, blocking: bool) -> None:
+    src = _carried(3)
+    src.model = torch.compile(src.model)  # saved without the `_orig_mod.` prefixes
+    handle = elastic.save(src, tmp_path, blocking=blocking)
+    path = handle if blocking else handle.wait()  # type: ignore[union-attr]
+    assert sorted(os.listdir(path)) == ["manifest.json", "state.pt"]  # generators are plain data
+    content = torch.load(path / "state.pt", weights_only=True, mmap=True)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in content["tensors"]}
+    # written once: base+view 4000, a/b 12, nhwc 480, learned 8, the generator 5056 and the model 80 bytes
+    assert sum(storages.values()) == 4000 + 12 + 480 + 8 + 5056 + 80
+    assert not any(k.startswith("_orig_mod") for k in content["skeleton"]["f"]["model"]["v"]["k"])
+
+    dst = Carried(step=0, model=torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)))
+    gen, rnd = torch.Generator(), random.Random(0)
+    dst.gen, dst.rnd = gen, rnd
+    with torch.inference_mode():
+        report = elastic.load(dst, tmp_path)  # trusted=False: nothing pickled
+    assert report.tenure == 3
+    assert dst.view.untyped_storage().data_ptr() == dst.base.untyped_storage().data_ptr()
+    assert dst.view.storage_offset() == 10 and torch.equal(dst.view, torch.arange(10.0, 20.0))
+    assert dst.a.data_ptr() == dst.b.data_ptr()
+    assert dst.nhwc.stride() == src.nhwc.stride() and torch.equal(dst.nhwc, src.nhwc)
+    assert dst.learned.requires_grad and dst.learned.is_leaf and not dst.learned.is_inference()
+    assert dst.gen is gen and dst.rnd is rnd  # restored in place
+    assert _draws(dst) == _draws(src)
+    assert _sd_equal(dst.model.state_dict(), src.model._orig_mod.state_dict())
+    # and back: a plain model's checkpoint loads into a compiled one
+    dst.step = 4
+    with torch.no_grad():
+        dst.model[0].weight.fill_(2.0)
+    elastic.save(dst, tmp_path / "plain")
+    back = _carried(0)
+    back.model = torch.compile(back.model)
+    elastic.load(back, tmp_path / "plain")
+    assert torch.equal(back.model._orig_mod[0].weight, torch.full((3, 3), 2.0))
+
+
 def test_manifest_contents(tmp_path: Path) -> None:
     @elastic.elastic_state(tenure=lambda s: (s.epoch, s.step))
     @attrs.define

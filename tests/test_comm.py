@@ -61,3 +61,30 @@ def test_a_collective_that_cannot_be_issued_keeps_the_cause() -> None:
         with pytest.raises(elastic.SyncError, match="in phase 'objects' on rank 1: Tensors must be") as info:
             call("objects", collective)
         assert info.value.__cause__ is torch_error
+
+
+def test_a_launcher_world_without_a_process_group_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import attrs
+
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class Alone:
+        step: int = 0
+
+    s = Alone()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert elastic.sync(s).world_size == 1  # one rank: local, as before
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    calls = {
+        "sync": lambda: elastic.sync(s),
+        "verify": lambda: elastic.verify(s),
+        "save": lambda: elastic.save(s, tmp_path),
+        "load": lambda: elastic.load(s, tmp_path),
+    }
+    for op, call in calls.items():
+        with pytest.raises(elastic.ElasticError, match=r"call elastic\.init_process_group\(\)") as info:
+            call()
+        assert str(info.value).startswith(f"{op}: WORLD_SIZE=2 says this process is one of 2 ranks")
+    assert list(tmp_path.iterdir()) == []  # nothing was written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 
 import attrs
@@ -142,10 +143,14 @@ def test_frozen_and_slotted_classes() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         f.step = 3  # type: ignore[misc]
 
-    @elastic_state(tenure="step")
-    @attrs.define(slots=True, weakref_slot=False)
-    class NoWeakref:
-        step: int = 0
+    with pytest.warns(
+        UserWarning, match=r"NoWeakref: its instances cannot be weakly referenced.*no fast path"
+    ):
+
+        @elastic_state(tenure="step")
+        @attrs.define(slots=True, weakref_slot=False)
+        class NoWeakref:
+            step: int = 0
 
     n = NoWeakref()
     with pytest.raises(TypeError):
@@ -199,3 +204,31 @@ def test_subclass_inherits_generated_methods() -> None:
     c = Child(step=3)
     assert elastic.tenure(c) == 3
     assert c.sync().tenure == 3
+
+
+def test_a_tenure_reading_a_local_field_warns_at_decoration() -> None:
+    with pytest.warns(UserWarning, match=r"the tenure reads 'seen', a field that is never synced"):
+
+        @elastic_state(tenure=lambda s: (s.step, s.seen))
+        @attrs.define
+        class ReadsLocal:
+            step: int = 0
+            seen: int = elastic.local(default=0)
+
+    with pytest.warns(UserWarning, match=r"the tenure reads 'mine'"):
+
+        @elastic_state(tenure="mine")
+        @attrs.define
+        class NamesLocal:
+            mine: int = elastic.field(sync=False, default=0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @elastic_state(tenure=lambda s: s.step)
+        @attrs.define
+        class Fine:
+            step: int = 0
+            seen: int = elastic.local(default=0)
+
+    assert elastic.tenure(Fine(step=3)) == 3

@@ -349,3 +349,256 @@ def test_failures_tear_receivers_and_never_hang() -> None:
     assert results[0]["tenure_after_death"] is None  # torn receiver
     assert results[2]["tenure_after_death"] == 50  # the source is never torn
     assert results[2]["source_unchanged_after_death"]
+
+
+# -----------------------------------------------------------------------------------------------------------
+# What a sync carries (DESIGN "What sync carries, precisely"): one 2-rank spawn checks every item.
+
+
+class Tied(torch.nn.Module):
+    """A language-model-like module whose output layer shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Carry:
+    model: Any
+    opt: Any
+    step: int = 0
+    base: Any = None
+    view: Any = None
+    a: Any = None
+    b: Any = None
+    nhwc: Any = None
+    learned: Any = None
+    gen: Any = None
+    rnd: Any = None
+    nprs: Any = None
+    npgen: Any = None
+    extra: Any = None
+
+
+def _carry(rank: int, world: int, root: str) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DistributedSampler
+
+    out: dict[str, Any] = {}
+    alone = dist.new_group([0])  # rank 0 wraps its model in DDP on a group of its own
+    torch.manual_seed(rank)
+    tied = Tied()
+    model: Any = DDP(tied, process_group=alone) if rank == 0 else tied
+    s = Carry(model, torch.optim.Adam(tied.parameters(), lr=0.1))
+    gen, rnd = torch.Generator().manual_seed(rank), random.Random(rank)
+    nprs, npgen = np.random.RandomState(rank), np.random.default_rng(rank)
+    s.gen, s.rnd, s.nprs, s.npgen = gen, rnd, nprs, npgen
+    if rank == 0:
+        s.step = 5
+        model(torch.tensor([1, 2])).sum().backward()
+        s.opt.step()  # rank 1's fresh Adam has no exp_avg: it allocates them
+        s.base = torch.arange(12.0)
+        s.view = s.base[2:6]
+        s.a = s.b = torch.full((3,), 7.0)
+        s.nhwc = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        s.learned = torch.ones(2, requires_grad=True)
+    with torch.inference_mode():  # e.g. called from an evaluation loop
+        report = elastic.sync(s)
+    out["tensor_bytes"] = report.tensor_bytes
+    out["tied"] = tied.head.weight is tied.emb.weight
+    out["view_shares"] = s.view.untyped_storage().data_ptr() == s.base.untyped_storage().data_ptr()
+    out["view"] = (s.view.storage_offset(), s.view.tolist())
+    out["a_is_b"] = s.a.data_ptr() == s.b.data_ptr()
+    out["nhwc"] = (s.nhwc.stride(), s.nhwc.sum().item())
+    out["learned"] = (s.learned.requires_grad, s.learned.is_inference())
+    out["same_generators"] = (s.gen, s.rnd, s.nprs, s.npgen) == (gen, rnd, nprs, npgen)
+    out["draws"] = (torch.rand(2, generator=gen).tolist(), rnd.random(), nprs.rand(), npgen.random())
+    s.opt.zero_grad()
+    tied(torch.tensor([3])).sum().backward()
+    s.opt.step()  # fails on an inference tensor
+    out["weights"] = tied.emb.weight.sum().item()
+    elastic.sync(s, force=True)
+    elastic.verify(s)  # generators, numpy states and all: identical by value
+    out["verified"] = True
+
+    # A checkpoint written from rank 0's DDP-wrapped model loads into plain models, and back.
+    written = elastic.save(s, f"{root}/wrapped")
+    plain_model = Tied()
+    plain = Carry(plain_model, torch.optim.Adam(plain_model.parameters(), lr=0.1))
+    elastic.load(plain, f"{root}/wrapped")
+    out["ddp to plain"] = (written.name, plain_model.emb.weight.sum().item(), plain.step)
+    out["plain tied"] = plain_model.head.weight is plain_model.emb.weight
+    plain.step = 6
+    with torch.no_grad():
+        plain_model.emb.weight.fill_(0.5)
+    elastic.save(plain, f"{root}/plain")
+    back_model = Tied()
+    wrapped = DDP(back_model, process_group=alone) if rank == 0 else back_model
+    back = Carry(wrapped, torch.optim.Adam(back_model.parameters(), lr=0.1))
+    elastic.load(back, f"{root}/plain")
+    out["plain to ddp"] = (back_model.emb.weight.sum().item(), back.step)
+
+    def attempt(key: str, state: Any) -> None:
+        before = [p.detach().clone() for p in tied.parameters()]
+        try:
+            elastic.sync(state, force=True, timeout=20)
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc))
+        out[key + " untouched"] = all(torch.equal(p, q) for p, q in zip(before, tied.parameters()))
+        out[key + " tenure"] = elastic.tenure(state)
+
+    # an optimizer of another class, or a param group on one rank only: caught before anything moves
+    sgd = torch.optim.SGD(tied.parameters(), lr=0.1) if rank == 1 else s.opt
+    attempt("optimizer class", Carry(tied, sgd, step=9 - rank))
+    groups = torch.optim.Adam([{"params": [tied.emb.weight]}], lr=0.1)
+    if rank == 0:
+        groups.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    attempt("param groups", Carry(tied, groups, step=9 - rank))
+    sampler = DistributedSampler(list(range(8)), num_replicas=world, rank=rank)
+    attempt("sampler", Carry(tied, s.opt, step=9 - rank, extra=sampler))
+    mesh = init_device_mesh("cpu", (world,))
+    dtensor = distribute_tensor(torch.arange(4.0), mesh)
+    attempt("dtensor", Carry(tied, s.opt, step=9 - rank, extra=dtensor))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_what_sync_carries_on_real_ranks(tmp_path: Any) -> None:
+    r0, r1 = run_on_ranks(_carry, 2, args=(str(tmp_path),))
+    # tied weights, the view and the second field travel once: 40 (tied) + 81 (Adam's two moments and
+    # step) + 12 + 3 + 120 + 2 floats, and the generator's 5056 bytes
+    assert r0["tensor_bytes"] == r1["tensor_bytes"] == (40 + 81 + 12 + 3 + 120 + 2) * 4 + 5056
+    assert r1["tied"] and r1["view_shares"] and r1["a_is_b"]
+    assert r1["view"] == (2, [2.0, 3.0, 4.0, 5.0])
+    assert r1["nhwc"] == r0["nhwc"] and r1["nhwc"][0] == (60, 1, 15, 3)  # channels_last strides
+    assert r1["learned"] == (True, False)
+    assert r1["same_generators"] and r1["draws"] == r0["draws"]
+    assert r1["weights"] == r0["weights"]
+    assert r0["verified"] and r1["verified"]
+    for r in (r0, r1):
+        assert r["ddp to plain"] == ("ckpt-000000000005", r0["weights"], 5) and r["plain tied"]
+        assert r["plain to ddp"] == (0.5 * 40, 6)
+    for key, needle in [
+        ("optimizer class", "field 'opt': Adam optimizer with 1 param group(s)"),
+        ("param groups", "Adam optimizer with 2 param group(s)"),
+    ]:
+        for r in (r0, r1):
+            kind, msg = r[key]
+            assert kind == "StateMismatchError" and needle in msg and "nothing was moved" in msg
+            assert r[key + " untouched"] and r[key + " tenure"] == 9 - (r is r1)
+    assert "SGD optimizer" in r0["optimizer class"][1]
+    for r in (r0, r1):
+        kind, msg = r["sampler"]
+        assert kind == "SyncError" and "field extra holds a torch DistributedSampler" in msg
+        assert "elastic.local()" in msg and "elastic.ElasticSampler" in msg
+        kind, msg = r["dtensor"]
+        assert kind == "SyncError" and "tensor extra is a torch.distributed.tensor" in msg
+        assert "tensor subclass" in msg
+        for key in ("sampler", "dtensor"):
+            assert r[key + " untouched"] and r[key + " tenure"] == 9 - (r is r1)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# A receiver that fails while decoding or applying: the same SyncError on every rank, promptly.
+
+
+def _explode_on_rank_one() -> Any:
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("this object cannot be rebuilt on rank 1")
+    return "rebuilt"
+
+
+class Bomb:
+    """Pickles fine; unpickling raises on rank 1 (a class missing there, a dtype its torch lacks...)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_explode_on_rank_one, ())
+
+
+class Refuses:
+    """A stateful object whose `load_state_dict` raises on rank 1."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        import os
+
+        if os.environ.get("RANK") == "1" and sd["n"] == 13:
+            raise ValueError("13 is refused here")
+        self.n = sd["n"]
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Fragile:
+    step: int
+    w: torch.Tensor
+    extra: Any = None
+    stateful: Any = attrs.field(factory=Refuses)
+
+
+def _receiver_failures(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s = Fragile(step=5 - rank, w=torch.full((4,), float(rank)))
+    own = s.w
+    if rank == 0:
+        s.extra = Bomb()
+
+    def attempt(key: str) -> None:
+        try:
+            elastic.sync(s, force=True, timeout=100)  # longer than the harness: waiting for it would fail
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc), getattr(exc, "phase", None))
+        out[key + " tenure"] = elastic.tenure(s)
+        out[key + " w"] = s.w.tolist()
+
+    attempt("decode")  # rank 1 cannot unpickle the source's objects
+    s.extra = None
+    elastic.sync(s, timeout=30)  # the next sync on the same group works
+    out["after decode"] = (elastic.tenure(s), s.w.tolist(), s.w is own)
+    if rank == 0:
+        s.step, s.stateful.n = 9, 13
+        s.w.fill_(7.0)
+    attempt("apply")  # rank 1's load_state_dict raises, after its tensors were written
+    if rank == 0:
+        s.stateful.n = 14
+    report = elastic.sync(s, timeout=30)
+    out["after apply"] = (report.src, elastic.tenure(s), s.stateful.n, s.w.tolist())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_failing_to_decode_or_apply_fails_every_rank_promptly() -> None:
+    r0, r1 = run_on_ranks(_receiver_failures, 2, timeout=60)
+    for r in (r0, r1):
+        kind, msg, phase = r["decode"]
+        assert kind == "SyncError" and phase == "apply"
+        assert "failed on rank 1 (receiver): RuntimeError: this object cannot be rebuilt on rank 1" in msg
+        kind, msg, phase = r["apply"]
+        assert kind == "SyncError" and "failed on rank 1 (receiver): ValueError: 13 is refused here" in msg
+    assert r1["decode tenure"] == 4 and r1["decode w"] == [1.0] * 4  # nothing written: not torn
+    assert r0["decode tenure"] == 5 and r0["decode w"] == [0.0] * 4
+    assert r0["after decode"] == r1["after decode"] == (5, [0.0] * 4, True)
+    assert r1["apply tenure"] is None and r0["apply tenure"] == 9  # written, then failed: torn
+    assert r0["after apply"] == r1["after apply"] == (0, 9, 14, [7.0] * 4)

@@ -15,6 +15,7 @@ from elastic import _checkpoint as C
 from elastic._manifest import scan
 from elastic._tenure import (
     Incomparable,
+    as_saveable,
     check_saveable,
     elect,
     exceeds,
@@ -152,3 +153,24 @@ def test_saveable_tenures() -> None:
         check_saveable([1, 2])
     with pytest.raises(TypeError, match=r"load: the tenure nan \(float\) cannot be stored"):
         check_saveable(float("nan"), "load")
+
+
+def test_integer_like_tenures_save_as_integers(tmp_path: Path) -> None:
+    import json
+
+    import numpy as np
+
+    assert as_saveable((np.int64(3), np.float32(0.5), 2, "x")) == (3, 0.5, 2, "x")
+    assert type(as_saveable(np.int32(3))) is int
+
+    @elastic.elastic_state(tenure=lambda s: np.int64(s.step))
+    @attrs.define
+    class NumpyStep:
+        step: int = 0
+
+    path = elastic.save(NumpyStep(7), tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["tenure"] == 7
+    fresh = NumpyStep()
+    report = elastic.load(fresh, tmp_path)
+    assert report.source == "checkpoint" and report.tenure == 7 and fresh.step == 7

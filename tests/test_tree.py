@@ -16,6 +16,7 @@ import elastic
 from elastic._tree import (
     StateNode,
     TensorSlot,
+    carriers,
     compatible,
     copy_state,
     field_digests,
@@ -236,6 +237,165 @@ def test_unsupported_tensors_are_rejected_with_a_fix(make_tensor: Any, message: 
     s.buffers = {"bad": make_tensor()}
     with pytest.raises(TypeError, match=rf"tensor buffers.bad .*{message}"):
         flatten(s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What sync carries (DESIGN "What sync carries, precisely"), checked locally through copy_state.
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Carried:
+    step: int = 0
+    base: Any = None
+    view: Any = None
+    a: Any = None
+    b: Any = None
+    nhwc: Any = None
+    learned: Any = None
+    gen: Any = None
+    rnd: Any = None
+    nprs: Any = None
+    npgen: Any = None
+
+
+def _carried_source() -> Carried:
+    import random
+
+    import numpy as np
+
+    base = torch.arange(12.0)
+    shared = torch.full((3,), 7.0)
+    gen = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=gen)
+    rnd, nprs, npgen = random.Random(3), np.random.RandomState(4), np.random.default_rng(6)
+    rnd.random(), nprs.rand(), npgen.random()
+    return Carried(
+        step=1,
+        base=base,
+        view=base[2:6],
+        a=shared,
+        b=shared,
+        nhwc=torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        learned=torch.ones(2, requires_grad=True),
+        gen=gen,
+        rnd=rnd,
+        nprs=nprs,
+        npgen=npgen,
+    )
+
+
+def _draws(s: Carried) -> tuple[Any, ...]:
+    return (
+        torch.rand(2, generator=s.gen).tolist(),
+        s.rnd.random(),
+        float(s.nprs.rand()),
+        float(s.npgen.random()),
+    )
+
+
+def test_aliases_strides_requires_grad_and_generators_survive_allocation() -> None:
+    import random
+
+    import numpy as np
+
+    src = _carried_source()
+    flat = flatten(src)
+    moving = carriers(flat.metas)
+    # base/view and a/b share storage: the view and the second field travel as aliases
+    assert [path_str(flat.metas[i].path) for i in range(len(flat.metas)) if i not in moving] == ["view", "b"]
+    dst = Carried()
+    gen, rnd = torch.Generator(), random.Random(0)
+    nprs, npgen = np.random.RandomState(0), np.random.default_rng(0)
+    dst.gen, dst.rnd, dst.nprs, dst.npgen = gen, rnd, nprs, npgen
+    with torch.inference_mode():
+        copy_state(src, dst)
+    assert dst.view.untyped_storage().data_ptr() == dst.base.untyped_storage().data_ptr()
+    assert dst.view.storage_offset() == 2 and torch.equal(dst.view, torch.arange(2.0, 6.0))
+    assert dst.a.data_ptr() == dst.b.data_ptr()
+    assert (
+        dst.nhwc.is_contiguous(memory_format=torch.channels_last) and dst.nhwc.stride() == src.nhwc.stride()
+    )
+    assert torch.equal(dst.nhwc, src.nhwc)
+    assert dst.learned.requires_grad and not dst.learned.is_inference() and not dst.base.is_inference()
+    # generators restored in place: a DataLoader(generator=g) keeps drawing from the right one
+    assert (dst.gen, dst.rnd, dst.nprs, dst.npgen) == (gen, rnd, nprs, npgen)
+    assert _draws(dst) == _draws(src)
+
+
+def test_aliases_on_a_receiver_with_its_own_untied_tensors_get_the_values() -> None:
+    src = _carried_source()
+    dst = Carried(base=torch.zeros(12), view=torch.zeros(4), a=torch.zeros(3), b=torch.zeros(3))
+    own_view = dst.view
+    in_place = copy_state(src, dst)
+    assert dst.view is own_view and torch.equal(own_view, torch.arange(2.0, 6.0))
+    assert torch.equal(dst.b, torch.full((3,), 7.0))
+    assert in_place[:4] == [True, True, True, True]
+
+
+def test_generators_are_built_where_the_receiver_has_none() -> None:
+    src, dst = _carried_source(), Carried()
+    copy_state(src, dst)
+    assert isinstance(dst.gen, torch.Generator) and _draws(dst) == _draws(src)
+
+
+def test_optimizer_class_and_param_groups_are_in_the_schema() -> None:
+    def digests_with(opt_of: Any) -> Any:
+        torch.manual_seed(0)
+        s = make(0, False)
+        s.opt = opt_of(s.model)
+        return dict((n, d) for n, _, d in field_digests(s)[1])
+
+    adam = digests_with(lambda m: torch.optim.Adam(m.parameters(), lr=0.1))
+    adam_other_lr = digests_with(lambda m: torch.optim.Adam(m.parameters(), lr=0.5))
+    sgd = digests_with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    two_groups = digests_with(
+        lambda m: torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[1].parameters()}])
+    )
+    assert adam["opt"] == adam_other_lr["opt"]  # hyperparameter values are state, not schema
+    assert adam["opt"] != sgd["opt"] and adam["opt"] != two_groups["opt"]
+    assert {k for k in adam if adam[k] != sgd[k]} == {"opt"}
+
+
+def test_module_names_are_canonical_without_wrapper_prefixes() -> None:
+    torch.manual_seed(0)
+    plain = make(0, False)
+    compiled = make(0, False)
+    compiled.model = torch.compile(compiled.model)  # an OptimizedModule: `_orig_mod.` prefixes
+    assert next(iter(compiled.model.state_dict())).startswith("_orig_mod.")
+    assert field_digests(plain) == field_digests(compiled)
+    assert [m.path for m in flatten(compiled).metas] == [m.path for m in flatten(plain).metas]
+    # a compiled submodule keeps its place, without the prefix
+    nested = make(0, False)
+    nested.model[0] = torch.compile(nested.model[0])
+    assert field_digests(nested) == field_digests(plain)
+    with torch.no_grad():
+        plain.model[0].weight.fill_(3.0)
+    copy_state(plain, nested)
+    assert torch.equal(nested.model[0].weight, plain.model[0].weight)
+    copy_state(nested, compiled)
+    assert torch.equal(compiled.model._orig_mod[0].weight, plain.model[0].weight)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_samplers_and_tensor_subclasses_are_rejected_before_anything_moves() -> None:
+    from torch.utils.data import DistributedSampler
+
+    s = Box(0, DistributedSampler(list(range(8)), num_replicas=2, rank=1))
+    with pytest.raises(TypeError, match=r"field value holds a torch DistributedSampler.*elastic\.local\(\)"):
+        field_digests(s)
+    with pytest.raises(TypeError, match=r"elastic\.ElasticSampler"):
+        flatten(Box(0, {"nested": s.value}))
+    sub = torch.ones(2).as_subclass(_Sub)
+    with pytest.raises(TypeError, match=r"tensor value is a .*_Sub, a tensor subclass"):
+        field_digests(Box(0, sub))
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("odd", torch.zeros(2).as_subclass(_Sub))
+    with pytest.raises(TypeError, match=r"tensor value\.odd is a .*tensor subclass"):
+        field_digests(Box(0, m))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from ._manifest import (
 )
 from ._storage import LOCAL, Storage
 from ._sync import sync_in
-from ._tenure import Incomparable, check_saveable, current, elect, exceeds, greater
+from ._tenure import Incomparable, as_saveable, check_saveable, current, elect, exceeds, greater
 from ._timeouts import as_timedelta
 from ._tree import (
     kind_of,
@@ -331,6 +331,7 @@ def _saveable_top(top: Any) -> Any:
             "sync). Load or train first, or make the tenure callable return a value"
         )
         raise CheckpointError(msg) from None
+    top = as_saveable(top)  # a numpy integer step saves as an int
     check_saveable(top)
     return top
 
@@ -563,6 +564,13 @@ def load(
     _check_bool(trusted, "trusted", "load")
     _check_bool(strict, "strict", "load")
     g = Collective.of(group, as_timedelta(timeout, "load"), "load")
+    with torch.inference_mode(False):  # tensors it allocates must be ordinary ones (see sync)
+        return _load_in(state, config, storage, root, g, trusted, strict)
+
+
+def _load_in(
+    state: Any, config: StateConfig, storage: Storage, root: Any, g: Collective, trusted: bool, strict: bool
+) -> LoadReport:
     records = g.gather_checked(
         _load_record(state, config, root, storage), "load-scan", _scan_failure(g.world)
     )

@@ -7,7 +7,8 @@ The skeleton of `_tree.flatten` is encoded as nested dicts, lists and plain leav
 plain leaf becomes a dict with a ``"$"`` tag (the encoder never emits any other dict), so decoding is
 unambiguous: ``{"$": "t", "i": 3}`` is tensor 3, ``{"$": "o", "i": 0}`` is object 0 of ``objects.pkl``,
 ``{"$": "state" | "stateful" | "dict" | "odict" | "list" | "tuple" | "ntuple" | "set" | "fset", ...}`` are
-the containers. A namedtuple's type is an object too (importing a class can run code).
+the containers, ``{"$": "rng", "k": kind, "d": device, "v": state}`` a random generator restored in place.
+A namedtuple's type is an object too (importing a class can run code).
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ import attrs
 import cloudpickle
 import torch
 
-from ._tree import ContainerNode, StatefulNode, StateNode, TensorSlot, path_str
+from ._tree import (
+    RNG_KINDS,
+    ContainerNode,
+    RestoreNode,
+    StatefulNode,
+    StateNode,
+    TensorSlot,
+    as_nodes,
+    from_nodes,
+    path_str,
+)
 
 __all__ = [
     "CONTENT",
@@ -108,6 +119,8 @@ def encode_skeleton(skeleton: StateNode) -> Encoded:
             }
         if isinstance(node, StatefulNode):
             return {"$": "stateful", "k": node.kind, "v": enc(node.inner, path)}
+        if isinstance(node, RestoreNode):  # a generator's state is plain data: no pickle needed
+            return {"$": "rng", "k": node.kind, "d": node.device, "v": enc(as_nodes(node.state), path)}
         if isinstance(node, ContainerNode):
             if node.kind == "dict":
                 tag = "dict" if node.type is dict else "odict"
@@ -178,6 +191,11 @@ def decode_skeleton(plain: Any, n_tensors: int, objects: Callable[[int], Any]) -
             kind: Any = node.get("k")
             need(kind in ("module", "optimizer", "stateful"), f"unknown stateful kind {kind!r}")
             return StatefulNode(kind=kind, inner=dec(node.get("v")))
+        if tag == "rng":
+            rng: Any = node.get("k")
+            device: Any = node.get("d")
+            need(rng in RNG_KINDS and type(device) is str, f"unknown generator kind {rng!r}")
+            return RestoreNode(kind=rng, state=from_nodes(dec(node.get("v"))), device=device)
         if tag in ("dict", "odict"):
             keys: Any = node.get("k")
             values = items(node)
@@ -236,6 +254,8 @@ def slot_paths(node: Any, path: tuple[Any, ...] = ()) -> dict[int, tuple[Any, ..
                 walk(child, (*p, name))
         elif isinstance(n, StatefulNode):
             walk(n.inner, p)
+        elif isinstance(n, RestoreNode):
+            walk(n.state, (*p, "state"))  # a torch.Generator's state, as `_tree.flatten` names it
         elif isinstance(n, ContainerNode):
             if n.kind == "dict":
                 for k, child in zip(n.keys, n.children):

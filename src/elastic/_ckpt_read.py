@@ -31,12 +31,16 @@ from ._storage import LOCAL, Storage
 from ._threads import one_torch_thread
 from ._tree import (
     ContainerNode,
+    RestoreNode,
     StatefulNode,
     StateNode,
-    TensorMeta,
     TensorSlot,
     apply_fields,
+    canonical_state_dict,
+    carriers,
+    fill_aliases,
     kind_of,
+    metas_of,
     path_str,
     receive_targets,
 )
@@ -272,6 +276,8 @@ def _saved_kind(node: Any) -> str:
         return node.kind
     if isinstance(node, StateNode):
         return "state"
+    if isinstance(node, RestoreNode):
+        return "rng"
     if isinstance(node, ContainerNode):
         return node.kind
     return "none" if node is None else "object"
@@ -322,7 +328,9 @@ def _check_module(
         for k, c in zip(inner.keys, inner.children)
         if isinstance(c, TensorSlot)
     }
-    have = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    have = {  # names without DDP / torch.compile prefixes, as they were saved
+        k: tuple(v.shape) for k, v in canonical_state_dict(module).items() if isinstance(v, torch.Tensor)
+    }
     problems = [f"{k}: missing from the checkpoint" for k in have if k not in saved]
     problems += [f"{k}: not in this module" for k in saved if k not in have]
     problems += [
@@ -349,13 +357,12 @@ def _apply(
     `verified`, when given, is waited for after the tensors are copied and before anything else changes;
     it raises if the checksums do not match (the state is then left torn)."""
     paths = slot_paths(node)
-    metas = [
-        TensorMeta(paths[i], tuple(t.shape), t.dtype, devices[i]) for i, t in enumerate(tensors) if i in paths
-    ]
     slots = [i for i in range(len(tensors)) if i in paths]
+    # the loaded tensors share storage as the saved ones did: aliases become views again
+    metas = metas_of([paths[i] for i in slots], [tensors[i] for i in slots], [devices[i] for i in slots])
     cpu = Placement(torch.device("cpu"))
-    # the state's own tensor wherever shape and dtype match (copy_ crosses devices), else a new one on the
-    # device type it was saved from where available
+    # the state's own tensor wherever shape and dtype match (copy_ crosses devices), else a new one (with
+    # the saved strides and requires_grad) on the device type it was saved from where available
     found, fits = receive_targets(
         state, metas, "save", lambda m: cpu.allocate_on(m.device_type), any_device=True
     )
@@ -365,8 +372,9 @@ def _apply(
         targets[i], in_place[i] = target, mine
     set_lineage(state, token=None, torn=True)  # until the whole checkpoint is in
     with torch.no_grad(), one_torch_thread():
-        for i in slots:
-            targets[i].detach().copy_(tensors[i])
+        for n in carriers(metas):
+            found[n].detach().copy_(tensors[slots[n]])
+        fill_aliases(found, metas)
         if verified is not None:
             verified()
         apply_fields(state, node, targets, in_place)

@@ -30,7 +30,7 @@ from ._config import saved_fields
 from ._manifest import build_manifest, dir_name, is_checkpoint_dir, manifest_bytes, scan, tenure_to_json
 from ._storage import LOCAL, Storage
 from ._threads import one_torch_thread
-from ._tree import flatten, kind_of
+from ._tree import TensorMeta, carriers, flatten, kind_of, staged, staging_buffer, staging_fits, to_save
 
 __all__ = ["Job", "Outcome", "explain", "prepare", "run_job", "write"]
 
@@ -85,7 +85,7 @@ def prepare(
     flat = flatten(state, "save")
     encoded = encode_skeleton(flat.skeleton)
     objects = pickle_objects(encoded) if encoded.objects else None
-    tensors = stage_copy(flat.tensors) if stage else flat.tensors
+    tensors = stage_copy(flat.tensors, flat.metas) if stage else to_save(flat)
     payload = {
         "format": CONTENT_VERSION,
         "skeleton": encoded.plain,
@@ -124,25 +124,28 @@ _staging_lock = threading.Lock()
 _staging: list[torch.Tensor] = []
 
 
-def stage_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of `tensors` for a background write, in reused buffers (pinned for CUDA sources)."""
+def stage_copy(tensors: list[torch.Tensor], metas: list[TensorMeta]) -> list[torch.Tensor]:
+    """CPU copies of `tensors` for a background write, in reused buffers (pinned for CUDA sources). Tensors
+    sharing storage are staged once (aliases are views of their carrier's copy)."""
     global _staging
     with _staging_lock, one_torch_thread():
         old = _staging
-        out: list[torch.Tensor] = []
+        kept: list[torch.Tensor] = []
         devices: set[torch.device] = set()  # every device with a copy in flight, not only the current one
-        for i, t in enumerate(tensors):
-            pin = t.device.type == "cuda" and torch.cuda.is_available()
-            if pin:
-                devices.add(t.device)
-            buf = old[i] if i < len(old) else None
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            buf.copy_(t.detach(), non_blocking=pin)
-            out.append(buf)
+        pins = [t.device.type == "cuda" and torch.cuda.is_available() for t in tensors]
+        buffers: dict[int, torch.Tensor] = {}
+        for n, i in enumerate(carriers(metas)):
+            if pins[i]:
+                devices.add(tensors[i].device)
+            buf = old[n] if n < len(old) else None
+            if buf is None or not staging_fits(buf, metas[i], pins[i]):
+                buf = staging_buffer(metas[i], pins[i])
+            buffers[i] = buf
+            kept.append(buf)
+        out = staged(tensors, metas, buffers.__getitem__)
         for device in devices:  # the writer thread reads these buffers: every copy must have landed
             torch.cuda.synchronize(device)
-        _staging = out
+        _staging = kept
         return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import SyncError
+from ._errors import ElasticError, SyncError
 from ._placement import Placement
 
 __all__ = ["Comm", "FaultInjected", "fault_point", "ranks_str", "tensor_bytes"]
@@ -48,6 +48,23 @@ def fault_point(phase: str, rank: int) -> None:
             raise FaultInjected(msg)
 
 
+def _check_alone(op: str) -> None:
+    """Refuse to act locally when a launcher says this process is one of several ranks."""
+    text = os.environ.get("WORLD_SIZE", "")
+    try:
+        world = int(text)
+    except ValueError:
+        return
+    if world > 1:
+        msg = (
+            f"{op}: WORLD_SIZE={world} says this process is one of {world} ranks, but no process group is "
+            f"initialised, so {op}() would act on this rank alone (every rank training and checkpointing "
+            "by itself); call elastic.init_process_group() at the start of the worker (or unset "
+            "WORLD_SIZE to run alone)"
+        )
+        raise ElasticError(msg)
+
+
 class Comm:
     """A process group, this rank's place in it, the device its collectives use and their deadline."""
 
@@ -68,6 +85,7 @@ class Comm:
             if group is not None:
                 msg = f"{op}(group=...) was given a group but torch.distributed is not initialised"
                 raise ValueError(msg) from None
+            _check_alone(op)
             return None
         comm = cls(group, timeout, op)
         return comm if comm.world_size > 1 else None

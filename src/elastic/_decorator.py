@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -10,6 +12,7 @@ import attrs
 
 from . import _checkpoint, _sync
 from ._config import CONFIG_ATTR, StateConfig
+from ._fields import policy_of
 
 __all__ = ["elastic_state"]
 
@@ -109,11 +112,46 @@ def _build(cls: Any, tenure: Callable[[Any], Any] | str, on_sync: Callable[..., 
         tenure_field: str | None = tenure
     else:
         tenure_fn, tenure_field = tenure, None
+    _warn_without_fast_path(cls, tenure_fn, tenure_field)
     setattr(cls, CONFIG_ATTR, StateConfig(tenure=tenure_fn, tenure_field=tenure_field, on_sync=on_sync))
     for name, method in _METHODS.items():
         if not hasattr(cls, name):
             _attach(cls, name, method)
     return cls
+
+
+def _names_read(fn: Any) -> set[str]:
+    """The attribute and global names a tenure function's code mentions (nested code included)."""
+    code = getattr(fn, "__code__", None) or getattr(vars(type(fn)).get("__call__"), "__code__", None)
+    names: set[str] = set()
+    stack = [code] if isinstance(code, types.CodeType) else []
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names
+
+
+def _warn_without_fast_path(cls: type, tenure: Callable[[Any], Any], tenure_field: str | None) -> None:
+    """Warn (once, at decoration) about the two ways a class silently loses sync's fast path."""
+    local = [a.name for a in attrs.fields(cls) if not policy_of(a).sync]
+    read = {tenure_field} if tenure_field is not None else _names_read(tenure)
+    stale = [name for name in local if name in read]
+    if stale:
+        msg = (
+            f"@elastic_state on {cls.__qualname__}: the tenure reads {stale[0]!r}, a field that is never "
+            "synced (elastic.local() or sync=False), so the ranks' tenures can differ after every sync: the "
+            "fast path (nothing moves when the replicas are identical) never applies and the election "
+            "follows rank-local values; compute the tenure from synced fields only"
+        )
+        warnings.warn(msg, UserWarning, stacklevel=4)
+    if getattr(cls, "__weakrefoffset__", 1) == 0:
+        msg = (
+            f"@elastic_state on {cls.__qualname__}: its instances cannot be weakly referenced (a slotted "
+            "class with weakref_slot=False), so elastic cannot remember which sync they took part in: "
+            "every sync moves the whole state (no fast path); drop weakref_slot=False"
+        )
+        warnings.warn(msg, UserWarning, stacklevel=4)
 
 
 def _field_getter(name: str) -> Callable[[Any], Any]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import pickle
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -26,12 +29,13 @@ from ._tree import (
     StateNode,
     TensorMeta,
     apply_fields,
+    carriers,
     compatible,
-    field_digests,
+    digests_of,
+    fill_aliases,
     flatten,
     receive_targets,
-    schema_of,
-    tensor_index,
+    scan_schema,
 )
 
 __all__ = [
@@ -83,21 +87,32 @@ class Record:
 def _local_record(
     state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
 ) -> Record:
+    return _scan(state, config, line, src, with_schema)[0]
+
+
+def _scan(
+    state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
+) -> tuple[Record, dict[Any, Any] | None]:
+    """This rank's election record and, with the schema, the module state dicts the schema took: a sync
+    that moves the state flattens it with them (one `state_dict()` per module per sync), one with nothing
+    to move never flattens."""
     try:
         value = current(state, config, line)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src)
+        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), None
     schema = None
+    sds = None
     if with_schema:
         try:
-            schema = field_digests(state)
+            full, sds = scan_schema(state)
+            schema = digests_of(full)
         except Exception as exc:
-            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src)
+            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None
     try:
         cloudpickle.dumps(value)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src)
-    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src)
+        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src), None
+    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), sds
 
 
 def _record_failure(op: str) -> Callable[[int, tuple[str, str]], Exception]:
@@ -147,7 +162,7 @@ def _check_schemas(group: Collective, records: Sequence[Record], state: Any, op:
         return
     # Everyone saw the mismatch: gather the full schemas once more to say exactly what differs.
     try:
-        mine: Any = schema_of(state)
+        mine: Any = scan_schema(state)[0]
     except Exception as exc:  # still take part: the others are already in the all-gather
         mine = (f"<schema failed: {type(exc).__name__}: {exc}>", ())
     full = group.gather(mine, "schema")
@@ -161,6 +176,11 @@ def _describe(schema: Any) -> str:
         return f"nested state {schema[1][0]}"
     if schema[0] == "stateful":
         return f"stateful {schema[1]}"
+    if schema[0] == "optimizer":
+        groups = ", ".join(f"{n} params with {'/'.join(h)}" for n, h in schema[2])
+        return f"{schema[1]} optimizer with {len(schema[2])} param group(s) [{groups}]"
+    if schema[0] == "rng":
+        return f"{schema[1]} generator"
     return str(schema[0])
 
 
@@ -221,15 +241,20 @@ def _module_diff(layouts: Sequence[Sequence[tuple[str, tuple[int, ...], str]]]) 
 
 @attrs.frozen
 class Payload:
-    """What the source broadcasts as one cloudpickle object."""
+    """What the source broadcasts as one cloudpickle object.
+
+    The skeleton (the user's objects) travels as bytes inside it, decoded by `skeleton_here()`: a receiver
+    that cannot unpickle it still reads the tensor metadata and plan, so it takes part in the transfer
+    (into scratch tensors, its state untouched) and reports the failure at commit."""
 
     skeleton: StateNode | None
     metas: list[TensorMeta]
-    plan: Any  # the transport's plan for the tensors (BroadcastTransport: which go direct)
+    plan: Any  # the transport's plan for the carriers (BroadcastTransport: which go direct)
     token: str | None
     torn: bool
     tenure: Any
     error: str | None = None
+    packed: bytes | None = None  # the pickled skeleton, on a receiver
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Metadata as columns of plain values: pickles ~20x faster than one object per tensor.
@@ -239,18 +264,46 @@ class Payload:
             tuple(x.shape for x in m),
             tuple(x.dtype for x in m),
             tuple(x.device_type for x in m),
+            tuple(x.stride for x in m),
+            tuple(x.requires_grad for x in m),
+            tuple(x.alias for x in m),
+            tuple(x.offset for x in m),
         )
+        packed = self.packed if self.skeleton is None else _pickle_skeleton(self.skeleton)
         return (
             _payload,
-            (self.skeleton, columns, self.plan, self.token, self.torn, self.tenure, self.error),
+            (packed, columns, self.plan, self.token, self.torn, self.tenure, self.error),
         )
 
+    def skeleton_here(self) -> StateNode:
+        """The skeleton, unpickled on first use on a receiver (where user classes may fail to load)."""
+        if self.skeleton is not None:
+            return self.skeleton
+        assert self.packed is not None  # a payload without an error carries a skeleton
+        skeleton = cloudpickle.loads(self.packed)
+        object.__setattr__(self, "skeleton", skeleton)
+        return skeleton
 
-def _payload(
-    skeleton: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any
-) -> Payload:
+
+def _pickle_skeleton(skeleton: StateNode) -> bytes:
+    """The skeleton pickled by the C pickler where that is safe (5x faster than cloudpickle's per-object
+    hook on a 2,000-tensor module), else by cloudpickle: for lambdas, closures and local classes (which
+    the plain pickler refuses), for anything from `__main__` (a notebook's or spawn's `__main__` differs
+    between processes) and when modules are registered to pickle by value."""
+    if not cloudpickle.list_registry_pickle_by_value():
+        try:
+            data = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            pass
+        else:
+            if b"__main__" not in data:
+                return data
+    return cloudpickle.dumps(skeleton)
+
+
+def _payload(packed: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any) -> Payload:
     metas = [TensorMeta(*row) for row in zip(*columns)] if columns[0] else []
-    return Payload(skeleton, metas, plan, token, torn, tenure, error)
+    return Payload(None, metas, plan, token, torn, tenure, error, packed)
 
 
 def _failed_payload(msg: str) -> bytes:
@@ -330,7 +383,39 @@ def sync_in(
 ) -> SyncReport:
     """The sync of `state` (whose configuration is `config`) in `group`: elect, then transfer or not.
 
-    `save` and `load` call it with the group and configuration they already looked up."""
+    `save` and `load` call it with the group and configuration they already looked up. Tensors it
+    allocates (or caches) are ordinary tensors, also when the caller is under `torch.inference_mode()`
+    (an inference tensor fails at the next `optimizer.step()`)."""
+    with torch.inference_mode(False), _no_cyclic_gc():
+        return _sync_in(state, config, group, src, force, op, notify, started, transport)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic collector paused for the call: a sync creates a few objects per tensor (skeleton,
+    metadata, index), which in a large heap (torch's) triggers full collections costing ~20 ms of CPU per
+    rank per 2,000-tensor sync. Nothing a sync creates needs cycle collection before it returns."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _sync_in(
+    state: Any,
+    config: StateConfig,
+    group: Collective,
+    src: int | None,
+    force: bool,
+    op: str,
+    notify: bool,
+    started: float | None,
+    transport: Transport | None,
+) -> SyncReport:
     started = time.perf_counter() if started is None else started
     line = lineage(state)
     if group.solo:
@@ -345,7 +430,8 @@ def sync_in(
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
-    records = _elect_records(group, _local_record(state, config, line, src, with_schema=True), op)
+    mine, sds = _scan(state, config, line, src, with_schema=True)
+    records = _elect_records(group, mine, op)
     given = _check_src(records, group.world, op)
     _check_schemas(group, records, state, op)
     tenures = [rec.tenure for rec in records]
@@ -363,7 +449,7 @@ def sync_in(
         log.debug("%s: replicas already identical (tenure %r, lineage %s)", op, tenures[0], records[0].token)
     else:
         chosen = transport if transport is not None else default_transport()
-        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started)
+        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, sds)
     _finish(state, config, report, op, notify)
     return report
 
@@ -417,43 +503,59 @@ def _transfer(
     transport: Transport,
     op: str,
     started: float,
+    sds: dict[Any, Any] | None,
 ) -> SyncReport:
-    """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises."""
+    """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
+
+    One walk of the state (with the module state dicts the election took, `sds`) gives the source its
+    tensors and a receiver its in-place targets. Tensors that share storage with another (tied weights,
+    views) travel once, inside their carrier, and are rebuilt as views on the receivers."""
     comm = group.comm
     assert comm is not None  # a transfer needs a group
     failures = _Failures()
+    own: dict[Any, torch.Tensor] | BaseException = {}
     if comm.rank == src:
-        flat, data, built = _pack_objects(state, comm, src, src_tenure, line, transport)
-        own: dict[Any, torch.Tensor] | BaseException = {}
+        flat, data, built = _pack_objects(state, sds, comm, src, src_tenure, line, transport)
     else:
         flat, data, built = None, None, None
-        own = _own_tensors(state)  # walk our own tree while the source flattens and pickles
+        try:  # walk our own tree while the source flattens and pickles
+            own = flatten(state, "sync", sds).index()
+        except Exception as exc:
+            own = exc
     payload, object_bytes = _exchange_objects(comm, src, data, built, op)
+    moving = carriers(payload.metas)
     if flat is not None:
-        transport.send(comm, src, flat.tensors, payload.metas, payload.plan, failures.add)
+        sent = [flat.tensors[i] for i in moving]
+        transport.send(comm, src, sent, [payload.metas[i] for i in moving], payload.plan, failures.add)
     else:
-        _receive(state, comm, src, payload, own, transport, failures)
+        _receive(state, comm, src, payload, moving, own, transport, failures)
     _commit(group, src, failures, op)
     set_lineage(state, token=payload.token, torn=payload.torn)
     return SyncReport(
         src=src,
         tenure=payload.tenure,
         world_size=comm.world_size,
-        tensor_bytes=sum(m.nbytes for m in payload.metas),
+        tensor_bytes=sum(payload.metas[i].nbytes for i in moving),
         object_bytes=object_bytes,
         seconds=time.perf_counter() - started,
     )
 
 
 def _pack_objects(
-    state: Any, comm: Comm, src: int, src_tenure: Any, line: Lineage, transport: Transport
+    state: Any,
+    sds: dict[Any, Any] | None,
+    comm: Comm,
+    src: int,
+    src_tenure: Any,
+    line: Lineage,
+    transport: Transport,
 ) -> tuple[Flat | None, bytes, Payload | None]:
     """The source's objects: the skeleton, tensor metadata, the transport's plan and the new lineage, in one
     cloudpickle payload (or one that carries the source's error). Returns the flattened state too."""
     try:
         fault_point("flatten", comm.rank)
-        flat = flatten(state, "sync")
-        plan = transport.plan(flat.tensors, comm)
+        flat = flatten(state, "sync", sds)
+        plan = transport.plan([flat.tensors[i] for i in carriers(flat.metas)], comm)
         token = None if line.torn else uuid.uuid4().hex
         payload = Payload(flat.skeleton, flat.metas, plan, token, line.torn, src_tenure)
     except Exception as exc:
@@ -467,14 +569,6 @@ def _pack_objects(
             "picklable or mark the field elastic.local()"
         )
         return None, _failed_payload(msg), None
-
-
-def _own_tensors(state: Any) -> dict[Any, torch.Tensor] | BaseException:
-    """A receiver's tensors by path (the in-place targets), or what went wrong walking them."""
-    try:
-        return tensor_index(state, "sync")
-    except Exception as exc:
-        return exc
 
 
 def _exchange_objects(
@@ -493,33 +587,44 @@ def _receive(
     comm: Comm,
     src: int,
     payload: Payload,
+    moving: list[int],
     own: dict[Any, torch.Tensor] | BaseException,
     transport: Transport,
     failures: _Failures,
 ) -> None:
     """A receiver's tensors: in place where it has a matching tensor, allocated from the metadata
-    otherwise; then the fields applied. Torn from the first byte written until commit."""
+    otherwise; then the fields applied. Torn from the first byte written into its own state until commit.
+
+    A receiver that cannot decode the skeleton or place the tensors still takes part in every collective,
+    receiving into scratch tensors (its state untouched, so not torn), and reports the failure at commit:
+    every rank raises the same `SyncError` then, and the group's collectives stay in step."""
     try:
+        fault_point("decode", comm.rank)
         if isinstance(own, BaseException):
             raise own
+        skeleton = payload.skeleton_here()
         targets, in_place = receive_targets(
             state, payload.metas, "sync", lambda m: transport.device_for(m, comm), index=own
         )
     except Exception as exc:
         failures.add(exc)
+        skeleton = None
         targets = [
             torch.empty(m.shape, dtype=m.dtype, device=transport.device_for(m, comm)) for m in payload.metas
         ]
         in_place = [False] * len(targets)
-    set_lineage(state, token=None, torn=True)
-    transport.receive(comm, src, targets, payload.metas, payload.plan, failures.add)
-    if failures.first is not None:
+    if any(in_place[i] for i in moving):
+        set_lineage(state, token=None, torn=True)
+    sent_metas = [payload.metas[i] for i in moving]
+    transport.receive(comm, src, [targets[i] for i in moving], sent_metas, payload.plan, failures.add)
+    if failures.first is not None or skeleton is None:
         return
+    set_lineage(state, token=None, torn=True)  # applying writes the state's fields
     try:
         fault_point("apply", comm.rank)
-        assert payload.skeleton is not None
         with torch.no_grad():
-            apply_fields(state, payload.skeleton, targets, in_place)
+            fill_aliases(targets, payload.metas)
+            apply_fields(state, skeleton, targets, in_place)
     except Exception as exc:
         failures.add(exc)
 
@@ -530,8 +635,8 @@ def _commit(group: Collective, src: int, failures: _Failures, op: str) -> None:
     def fail(rank: int, error: str) -> SyncError:
         where = "source" if rank == src else "receiver"
         msg = (
-            f"{op} failed on rank {rank} ({where}): {error}. The receivers are marked torn (tenure None) "
-            "until their next successful sync or load; the source's state is unchanged"
+            f"{op} failed on rank {rank} ({where}): {error}. Receivers that were written are marked torn "
+            "(tenure None) until their next successful sync or load; the source's state is unchanged"
         )
         return SyncError(msg, phase="apply" if rank != src else "send")
 

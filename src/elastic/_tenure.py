@@ -13,6 +13,8 @@ One set of rules serves `sync`'s election, `load`'s choice of checkpoint, `save`
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Incomparable",
+    "as_saveable",
     "check_saveable",
     "current",
     "elect",
@@ -46,8 +49,8 @@ def current(state: Any, config: StateConfig, line: Lineage) -> Any:
 
 
 def is_number(x: Any) -> bool:
-    """An `int` or `float` (a `bool` is not a number here)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number: `int`, `float`, numpy integers and floats (a `bool` is not a number here)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def has_nan(value: Any) -> bool:
@@ -136,6 +139,22 @@ def is_saveable(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(is_saveable(v) for v in value)
     return False
+
+
+def as_saveable(value: Any) -> Any:
+    """`value` with integer-like numbers (numpy integers, anything with `__index__`) as `int` and numpy
+    floating scalars as `float`, inside tuples too: what a manifest stores for them."""
+    if isinstance(value, tuple):
+        return tuple(as_saveable(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if type(value).__module__ == "numpy" and hasattr(value, "__float__"):
+        return float(value)
+    return value
 
 
 def check_saveable(value: Any, op: str = "save") -> None:

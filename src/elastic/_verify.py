@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import types
 import zlib
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +20,7 @@ from ._comm import ranks_str
 from ._config import config_of
 from ._errors import DivergenceError, SyncError
 from ._timeouts import as_timedelta
-from ._tree import ContainerNode, StatefulNode, StateNode, TensorSlot, flatten, path_str
+from ._tree import ContainerNode, RestoreNode, StatefulNode, StateNode, TensorSlot, flatten, path_str
 
 __all__ = ["digests", "verify"]
 
@@ -34,34 +36,125 @@ def _tensor_digest(t: torch.Tensor) -> str:
     return f"{t.dtype}{tuple(t.shape)}:{crc:08x}"
 
 
-def _feed(h: Any, node: Any) -> None:
-    """Hash a skeleton node canonically: set order and hash seeds do not matter, tensors are slots."""
-    if isinstance(node, TensorSlot):
-        h.update(b"T%d;" % node.index)
-    elif isinstance(node, StateNode):
+_SCALARS = (bool, int, float, complex, type(None))
+
+
+def _feed(h: Any, node: Any, seen: dict[int, tuple[int, Any]] | None = None) -> None:
+    """Hash a skeleton node by value: what Python's `==` calls equal hashes equal in any process.
+
+    Tensor slots are compared by path elsewhere; dict order (not `OrderedDict` order), set order and hash
+    seeds do not matter; bytes and strings are streamed into the hash; tensors and numpy arrays inside
+    objects are hashed by content; other objects by their reduction (class, arguments, state), recursively.
+    """
+    if seen is None:
+        seen = {}
+    tp = type(node)
+    if tp in _SCALARS:
+        h.update(f"{tp.__name__}:{node!r};".encode())
+    elif tp is str:
+        data = node.encode("utf-8", "surrogatepass")
+        h.update(b"s%d:" % len(data))
+        h.update(data)
+    elif tp in (bytes, bytearray, memoryview):
+        data = memoryview(node).cast("B")
+        h.update(b"b%d:" % data.nbytes)
+        h.update(data)
+    elif tp is TensorSlot:
+        h.update(b"T;")  # the tensor's bytes are compared under its own path
+    elif tp is StateNode:
         h.update(f"S{node.qualname}{{".encode())
         for name, child in node.fields.items():
             h.update(name.encode() + b"=")
-            _feed(h, child)
+            _feed(h, child, seen)
         h.update(b"}")
-    elif isinstance(node, StatefulNode):
+    elif tp is StatefulNode:
         h.update(f"M{node.kind}(".encode())
-        _feed(h, node.inner)
+        _feed(h, node.inner, seen)
         h.update(b")")
-    elif isinstance(node, ContainerNode):
-        h.update(f"C{node.kind}{node.type.__qualname__}[".encode())
-        for key, child in zip(node.keys or range(len(node.children)), node.children):
-            h.update(repr(key).encode() + b":")
-            _feed(h, child)
+    elif tp is RestoreNode:
+        h.update(f"R{node.kind}(".encode())
+        _feed(h, node.state, seen)
+        h.update(b")")
+    elif tp is ContainerNode:
+        h.update(f"C{node.kind}{node.type.__module__}.{node.type.__qualname__}[".encode())
+        if node.kind == "dict":
+            _feed_items(h, zip(node.keys, node.children), node.type is dict, seen)
+        else:
+            for child in node.children:
+                _feed(h, child, seen)
+                h.update(b",")
         h.update(b"]")
-    elif node is None or isinstance(node, (bool, int, float, str, bytes, complex)):
-        h.update(f"{type(node).__name__}:{node!r};".encode())
+    elif id(node) in seen:
+        h.update(b"@%d;" % seen[id(node)][0])  # a cycle or a shared object: its first position
+    else:
+        seen[id(node)] = (len(seen), node)  # holding `node` keeps its id from being reused meanwhile
+        _feed_object(h, node, seen)
+
+
+def _feed_items(h: Any, items: Any, unordered: bool, seen: dict[int, tuple[int, Any]]) -> None:
+    if not unordered:
+        for k, v in items:
+            _feed(h, k, seen)
+            h.update(b":")
+            _feed(h, v, seen)
+            h.update(b",")
+        return
+    parts = []
+    for k, v in items:
+        sub = hashlib.blake2b(digest_size=12)
+        _feed(sub, k, seen)
+        sub.update(b":")
+        _feed(sub, v, seen)
+        parts.append(sub.digest())
+    for part in sorted(parts):
+        h.update(part)
+
+
+def _feed_object(h: Any, node: Any, seen: dict[int, tuple[int, Any]]) -> None:
+    tp = type(node)
+    if isinstance(node, torch.Tensor):
+        h.update(f"tensor{node.dtype}{tuple(node.shape)}{node.requires_grad}:".encode())
+        h.update(_tensor_digest(node).encode())
+    elif tp.__module__ == "numpy" and hasattr(node, "tobytes") and hasattr(node, "dtype"):
+        h.update(f"np{node.dtype}{getattr(node, 'shape', ())}:".encode())
+        h.update(node.tobytes())
+    elif tp in (list, tuple):
+        h.update(f"{tp.__name__}[".encode())
+        for x in node:
+            _feed(h, x, seen)
+            h.update(b",")
+        h.update(b"]")
+    elif tp in (dict, OrderedDict) or (isinstance(node, dict) and tp.__module__ == "collections"):
+        h.update(f"{tp.__qualname__}{{".encode())
+        _feed_items(h, node.items(), tp is not OrderedDict, seen)
+        h.update(b"}")
     elif isinstance(node, (set, frozenset)):
         parts = sorted(_digest_of(x) for x in node)
-        h.update(("set" + ",".join(parts) + ";").encode())
+        h.update((f"{tp.__name__}{{" + ",".join(parts) + "}").encode())
+    elif isinstance(node, (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)):
+        name = f"{getattr(node, '__module__', '')}.{getattr(node, '__qualname__', node.__name__)}"
+        if "<" in name or (isinstance(node, types.FunctionType) and node.__closure__):
+            h.update(b"P")  # a lambda or a closure: its code and captured values
+            h.update(cloudpickle.dumps(node))
+        else:
+            h.update(f"N{name};".encode())
     else:
-        h.update(b"P")
-        h.update(cloudpickle.dumps(node))
+        try:
+            reduced = node.__reduce_ex__(4)
+        except Exception:
+            reduced = None
+        if not isinstance(reduced, tuple):
+            h.update(b"P")
+            h.update(cloudpickle.dumps(node))
+            return
+        h.update(f"O{tp.__module__}.{tp.__qualname__}(".encode())
+        for part in reduced[1:3]:
+            _feed(h, part, seen)
+            h.update(b";")
+        for part in reduced[3:5]:
+            if part is not None:
+                _feed(h, list(part), seen)
+        h.update(b")")
 
 
 def _digest_of(node: Any) -> str:
