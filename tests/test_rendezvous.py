@@ -426,3 +426,29 @@ def test_join_timeout_when_fewer_than_min_workers_and_participant_ids() -> None:
     with pytest.raises(ElasticError, match="min_workers=3, max_workers=2"):
         _pair(server.port, min_workers=3, max_workers=2)
     del server
+
+
+def test_a_participant_whose_process_exited_on_this_host_is_dead_at_once() -> None:
+    from elastic._store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    (me,) = _pair(server.port, names=("me",))
+    space = rendezvous.process_space()
+    assert space  # Linux: boot id and pid namespace
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    store = me._store
+    store.set(rendezvous.where_key("ghost"), f"{space}|{exited.pid}")  # this host, process gone
+    store.set(rendezvous.where_key("peer"), f"{space}|{os.getpid()}")  # this host, running
+    store.set(rendezvous.where_key("far"), f"another-boot:1|{exited.pid}")  # another host: pid says nothing
+    try:
+        names = ["ghost", "peer", "far", "unknown"]
+        me._locate(store, names)
+        assert me._pids == {"ghost": exited.pid, "peer": os.getpid(), "far": None}
+        now = time.monotonic()
+        # Within any expiry: the exited process is dead at once; the others are judged by heartbeats
+        # (never seen yet: fresh).
+        assert [me._fresh(p, now, 1e9) for p in names] == [False, True, True, True]
+    finally:
+        me.close()
+    del server

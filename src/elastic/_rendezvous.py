@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,7 @@ import attrs
 import torch.distributed as dist
 
 from ._errors import ElasticError
+from ._procs import running
 
 __all__ = [
     "Joiner",
@@ -56,6 +58,21 @@ def log_key(n: int) -> str:
 
 def hb_key(p: str) -> str:
     return f"hb/{p}"
+
+
+def where_key(p: str) -> str:
+    return f"where/{p}"
+
+
+def process_space() -> str:
+    """What two processes must share for one to see the other's pid: the boot (``boot_id``) and the pid
+    namespace. Empty where that cannot be told (no ``/proc``): then only heartbeats judge liveness."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
 
 
 class Ops(Protocol):
@@ -340,6 +357,10 @@ class Rendezvous:
         self._beat_store: dist.Store | None = None
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
+        self._space = process_space()
+        #: participant -> its pid when it runs in this process space (same boot, same pid namespace), or
+        #: None when it runs elsewhere; participants not yet looked up are absent
+        self._pids: dict[str, int | None] = {}
         self._last_progress = time.monotonic()
         self._generation = -1
         self._members: tuple[str, ...] = ()
@@ -376,6 +397,9 @@ class Rendezvous:
         deadline = began + self.join_timeout
         self.progress()
         self._retry(lambda: self._store.add(hb_key(self.participant), 1))
+        if self._space:  # before this participant's first join event: peers look it up once they see one
+            where = f"{self._space}|{os.getpid()}"
+            self._retry(lambda: self._store.set(where_key(self.participant), where))
         self._start_thread()
         j = start(self.participant, self._generation)
         joined_at = -1
@@ -495,15 +519,30 @@ class Rendezvous:
             )
 
     def _fresh(self, p: str, now: float, within: float) -> bool:
-        """p's counter changed within `within` seconds (a participant never seen yet counts as fresh)."""
+        """p's counter changed within `within` seconds (a participant never seen yet counts as fresh), and
+        p's process has not exited (known at once for a participant of this process space)."""
+        pid = self._pids.get(p)
+        if pid is not None and not running(pid):
+            return False
         seen = self._seen.get(p)
         return seen is None or now - seen.changed <= within
+
+    def _locate(self, store: dist.Store, names: list[str]) -> None:
+        """Learn, once per participant, whether it runs in this process space and with which pid: a
+        participant on this host whose process has exited is dead at once, without waiting for its
+        heartbeat to expire (a SIGKILLed worker). Elsewhere its heartbeat alone decides."""
+        for p in names:
+            if p in self._pids or not self._space or not store.check([where_key(p)]):
+                continue
+            space, _, pid = store.get(where_key(p)).decode().rpartition("|")
+            self._pids[p] = int(pid) if space == self._space and pid.isdigit() else None
 
     def _observe(self, store: dist.Store, names: Iterable[str]) -> None:
         """Read the heartbeat counters of `names` and note when each last changed."""
         names = list(names)
         if not names:
             return
+        self._locate(store, names)
         values = store.multi_get([hb_key(p) for p in names])
         now = time.monotonic()
         with self._lock:
