@@ -602,3 +602,172 @@ def test_a_receiver_failing_to_decode_or_apply_fails_every_rank_promptly() -> No
     assert r0["after decode"] == r1["after decode"] == (5, [0.0] * 4, True)
     assert r1["apply tenure"] is None and r0["apply tenure"] == 9  # written, then failed: torn
     assert r0["after apply"] == r1["after apply"] == (0, 9, 14, [7.0] * 4)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Layouts kept between syncs (`_layout`, the transport's kept plans): every change to the tensors is seen.
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Kept:
+    step: int
+    model: Any
+    opt: Any = None
+    extra: Any = None
+
+
+def _kept_layouts(rank: int, world: int) -> dict[str, Any]:
+    from elastic import _sync
+
+    out: dict[str, Any] = {}
+    placed = []  # receive_targets runs only when this rank's tensor metadata differ from the source's
+    inner = _sync.receive_targets
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        placed.append(1)
+        return inner(*args, **kwargs)
+
+    _sync.receive_targets = spy
+    torch.manual_seed(rank)
+    s = Kept(step=0, model=torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    s.extra = torch.zeros(4, 4)
+
+    def check(key: str, change: Any = None) -> None:
+        s.step += 1 if rank == 0 else 0  # rank 0 stays the most tenured: the source of every sync
+        if change is not None:
+            change()
+        with torch.no_grad():  # new values on the source for every sync: a stale layout would show
+            if rank == 0:
+                for t in s.model.state_dict().values():
+                    t.copy_(torch.randn(t.shape))
+        params = list(s.model.parameters())
+        del placed[:]
+        try:
+            report = elastic.sync(s, force=True, timeout=20)
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc))
+            return
+        sd = s.model.state_dict(keep_vars=True)
+        out[key] = {
+            "model": [(k, tuple(v.shape), v.stride(), v.tolist()) for k, v in sd.items()],
+            "extra": (tuple(s.extra.shape), s.extra.tolist()),
+            "opt": None if s.opt is None else repr(s.opt.state_dict()["state"]),
+            "in place": all(a is b for a, b in zip(params, s.model.parameters())),
+            "placed": len(placed),
+            "bytes": report.tensor_bytes,
+        }
+
+    check("first")
+    check("again")
+
+    def swap_data() -> None:  # new storage under the same parameter, on the receiver
+        if rank == 1:
+            w = s.model[0].weight
+            w.data = w.data.clone()
+            out["swapped ptr"] = w.data_ptr()
+
+    check("data swapped", swap_data)
+    out["swapped ptr after"] = s.model[0].weight.data_ptr()
+
+    def transpose() -> None:  # the same shape, other strides, on the source only
+        if rank == 0:
+            s.extra = torch.arange(16.0).view(4, 4).t()
+
+    check("transposed", transpose)
+
+    def reshape_extra() -> None:  # a plain tensor of another shape on the source: allocated on receivers
+        if rank == 0:
+            s.extra = torch.arange(6.0)
+
+    check("reshaped", reshape_extra)
+
+    def new_layers() -> None:  # the module's layout changes on every rank
+        s.model[0] = torch.nn.Linear(4, 3)
+        s.model[1] = torch.nn.Linear(3, 4)
+
+    check("new layers", new_layers)
+
+    def receiver_only() -> None:
+        if rank == 1:
+            s.model[0].bias.data = torch.zeros(5)
+
+    check("receiver only", receiver_only)
+    s.model[0].bias.data = torch.zeros(3)
+    check("restored")
+
+    def no_grad() -> None:
+        if rank == 0:
+            s.model[0].weight.requires_grad_(False)
+
+    check("requires_grad", no_grad)
+    s.model[0].weight.requires_grad_(True)
+
+    def optimizer() -> None:
+        s.opt = torch.optim.Adam(s.model.parameters(), lr=0.1)
+        if rank == 0:
+            s.model(torch.ones(1, 4)).sum().backward()
+            s.opt.step()  # rank 1 has no Adam state yet: allocated
+
+    check("optimizer state on the source only", optimizer)
+    check("optimizer state everywhere")
+
+    def untie() -> None:
+        s.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        s.opt = None
+
+    check("untied", untie)
+
+    def tie() -> None:  # the same names and shapes as before, one storage: its bytes travel once
+        s.model[1].weight = s.model[0].weight
+
+    check("tied later", tie)
+    out["tied"] = s.model[1].weight is s.model[0].weight
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_kept_layouts_see_every_change_to_the_tensors() -> None:
+    r0, r1 = run_on_ranks(_kept_layouts, 2)
+    for key in [
+        "first",
+        "again",
+        "data swapped",
+        "transposed",
+        "reshaped",
+        "new layers",
+        "restored",
+        "requires_grad",
+        "optimizer state on the source only",
+        "optimizer state everywhere",
+        "untied",
+        "tied later",
+    ]:
+        a, b = r0[key], r1[key]
+        assert a["model"] == b["model"], key
+        assert a["extra"] == b["extra"], key
+        assert a["opt"] == b["opt"], key
+        assert b["in place"] or key == "tied later", key
+    # rank 1's own tensors sit as rank 0's: no metadata travel, its tensors are the targets
+    # (modules carry no requires_grad: their state dicts hold detached tensors)
+    alike = ["first", "again", "data swapped", "new layers", "restored", "requires_grad"]
+    for key in [*alike, "optimizer state everywhere"]:
+        assert r1[key]["placed"] == 0, key
+    # otherwise they are placed from rank 0's metadata
+    for key in ["transposed", "reshaped", "optimizer state on the source only"]:
+        assert r1[key]["placed"] == 1, key
+    assert r1["swapped ptr"] == r1["swapped ptr after"]  # the new storage was written, in place
+    assert r1["transposed"]["extra"] == (
+        (4, 4),
+        torch.arange(16.0).view(4, 4).t().tolist(),
+    )
+    assert r1["reshaped"]["extra"] == ((6,), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    assert [row[1] for row in r1["new layers"]["model"]] == [(3, 4), (3,), (4, 3), (4,)]
+    for r in (r0, r1):
+        kind, msg = r["receiver only"]
+        assert kind == "StateMismatchError" and "0.bias: shape (3,) torch.float32 on rank 0" in msg
+        assert "shape (5,) torch.float32 on rank 1" in msg
+    assert r1["optimizer state on the source only"]["opt"] != "{}"
+    assert r1["tied"]
+    assert r0["untied"]["bytes"] == r1["untied"]["bytes"] == (16 + 4 + 16 + 4 + 6) * 4
+    assert r0["tied later"]["bytes"] == r1["tied later"]["bytes"] == (16 + 4 + 4 + 6) * 4

@@ -223,6 +223,29 @@ def test_buffers_are_reused_and_can_be_released() -> None:
     assert transport.cached_bytes() == 0
 
 
+def test_kept_plans_are_found_by_value_and_split_for_the_buffer_given() -> None:
+    transport.release_buffers()
+    metas = [_meta(i, (4,), torch.float32) for i in range(6)]
+    tensors = [torch.arange(4.0) + i for i in range(6)]
+    plan = transport._plan_for(metas, [False] * 6, 32, 4096)
+    assert transport._plan_for(list(metas), [False] * 6, 32, 4096) is plan  # equal metadata: kept
+    assert [b.size for b in plan.buckets] == [32, 32, 32]
+    assert transport._plan_for(metas, [False] * 6, 64, 4096) is not plan  # other buckets
+    assert transport._plan_for(metas, [True] + [False] * 5, 32, 4096) is not plan  # other direct tensors
+    other = [*metas[:5], _meta(5, (2, 2), torch.float32)]
+    assert transport._plan_for(other, [False] * 6, 32, 4096) is not plan  # other metadata
+    a, b = torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+    first = plan.split(a, 1, tensors, lambda i, t: True, True)
+    assert plan.split(a, 1, tensors, lambda i, t: True, True) is first
+    assert first.indices == [2, 3] and first.views[0].data_ptr() == a.data_ptr()
+    second = plan.split(b, 1, tensors, lambda i, t: True, True)  # another buffer: split anew
+    assert second is not first and second.views[0].data_ptr() == b.data_ptr()
+    assert plan.split(b, 1, tensors, lambda i, t: i != 2, False).indices == [3]  # not uniform: not kept
+    assert plan.split(b, 1, tensors, lambda i, t: True, True) is second
+    transport.release_buffers()
+    assert len(transport._plans) == 0
+
+
 # -----------------------------------------------------------------------------------------------------------
 # Two real gloo ranks
 
@@ -326,6 +349,14 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
     src, targets = _tensors(rank)
     run("again", src, targets)
     out["cached again"] = [b.data_ptr() for b in transport._buffers[cpu]]
+    # The same layout again while the kept buffers are held elsewhere: this transfer takes new buffers, and
+    # the kept plan must split them anew (its views of the held buffers would write the wrong memory).
+    held = transport._take_buffers(cpu, 1, 0)
+    src, targets = _tensors(rank)
+    out["new buffers"] = run("new buffers", src, targets)
+    out["new buffers values"] = rank == 0 or all(torch.equal(t, s.resolve_conj()) for t, s in zip(targets, src))
+    out["new buffers taken"] = [b.data_ptr() for b in transport._buffers[cpu]] != out["cached"]
+    transport._return_buffers(cpu, held)
 
     # Local failures go to on_error; the collectives still run to the end on both sides.
     for spec in ("1:bucket 1", "0:bucket 2", "1:direct 1"):
@@ -361,6 +392,8 @@ def test_transfer_on_two_ranks() -> None:
     # the bucket buffers are reused from one transfer to the next (in_flight 3: three of them)
     assert len(receiver["cached"]) == 3 and receiver["cached again"] == receiver["cached"]
     assert len(source["cached"]) == 3 and source["cached again"] == source["cached"]
+    for side in (source, receiver):
+        assert side["new buffers"] == [] and side["new buffers values"] and side["new buffers taken"]
     # a receiver failing at bucket 1: it reports, keeps receiving, the source notices nothing
     assert source["fault 1:bucket 1"] == []
     assert len(receiver["fault 1:bucket 1"]) == 1 and "rank 1 at bucket 1" in receiver["fault 1:bucket 1"][0]

@@ -6,12 +6,11 @@ copied or pickled state never carries a lineage it did not earn.
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import attrs
+
+from ._weakmap import IdentityWeakMap
 
 __all__ = ["Lineage", "lineage", "set_lineage"]
 
@@ -23,17 +22,13 @@ class Lineage:
 
 
 _FRESH = Lineage()
-_lock = threading.Lock()
-_registry: dict[int, tuple[Callable[[], Any], Lineage]] = {}
+_registry: IdentityWeakMap[Lineage] = IdentityWeakMap()
 
 
 def lineage(state: Any) -> Lineage:
     """The lineage of `state` (fresh for a state that never synced)."""
-    with _lock:
-        entry = _registry.get(id(state))
-    if entry is None or entry[0]() is not state:
-        return _FRESH
-    return entry[1]
+    found = _registry.get(state)
+    return _FRESH if found is None else found
 
 
 def set_lineage(state: Any, *, token: str | None, torn: bool) -> None:
@@ -42,30 +37,5 @@ def set_lineage(state: Any, *, token: str | None, torn: bool) -> None:
     A state that cannot be weakly referenced (a slotted class with `weakref_slot=False`) never gets a
     token, so it always takes the full sync; its torn mark is kept with a strong reference.
     """
-    key = id(state)
-    getter: Callable[[], Any]
-
-    def gone(ref: Any) -> None:
-        _drop(key, ref)
-
-    try:
-        getter = weakref.ref(state, gone)
-    except TypeError:
-        token = None
-        if not torn:
-            with _lock:
-                _registry.pop(key, None)
-            return
-
-        def getter(state: Any = state) -> Any:
-            return state
-
-    with _lock:
-        _registry[key] = (getter, Lineage(token=token, torn=torn))
-
-
-def _drop(key: int, ref: Any) -> None:
-    with _lock:
-        entry = _registry.get(key)
-        if entry is not None and entry[0] is ref:
-            del _registry[key]
+    if not _registry.set(state, Lineage(token=token, torn=torn)) and torn:
+        _registry.set(state, Lineage(token=None, torn=True), strong=True)

@@ -20,6 +20,7 @@ from ._collective import Collective, raise_first
 from ._comm import Comm, fault_point, ranks_str
 from ._config import StateConfig, config_of
 from ._errors import StateMismatchError, SyncError, TenureError
+from ._layout import Layout, layout_of
 from ._lineage import Lineage, lineage, set_lineage
 from ._tenure import current, elect
 from ._timeouts import as_timedelta
@@ -31,11 +32,11 @@ from ._tree import (
     apply_fields,
     carriers,
     compatible,
-    digests_of,
     fill_aliases,
     flatten,
     receive_targets,
     scan_schema,
+    schema_digests,
 )
 
 __all__ = [
@@ -82,6 +83,7 @@ class Record:
     schema: Any = None
     src: int | None = None
     error: tuple[str, str] | None = None  # (kind, message)
+    layout: str | None = None  # the digest of this rank's tensor metadata (`Layout.digest`)
 
 
 def _local_record(
@@ -92,27 +94,31 @@ def _local_record(
 
 def _scan(
     state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
-) -> tuple[Record, dict[Any, Any] | None]:
-    """This rank's election record and, with the schema, the module state dicts the schema took: a sync
-    that moves the state flattens it with them (one `state_dict()` per module per sync), one with nothing
-    to move never flattens."""
+) -> tuple[Record, Flat | None, Layout | None]:
+    """This rank's election record and, with the schema, the walk of its state and that walk's layout: a
+    sync that moves the state uses them (one `state_dict()` per module per sync, metadata kept between
+    syncs while the tensors keep their layout)."""
     try:
         value = current(state, config, line)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), None
-    schema = None
-    sds = None
+        msg = f"tenure function raised {type(exc).__name__}: {exc}"
+        return Record(error=("tenure", msg), src=src), None, None
+    schema = flat = layout = None
     if with_schema:
         try:
-            full, sds = scan_schema(state)
-            schema = digests_of(full)
+            flat = flatten(state, "sync")
+            layout = layout_of(state, flat)
+            schema = schema_digests(state, flat.sds, layout.module_digest)
         except Exception as exc:
-            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None
+            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None, None
     try:
         cloudpickle.dumps(value)
     except Exception as exc:
-        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src), None
-    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), sds
+        msg = f"tenure value {value!r} cannot be pickled: {exc}"
+        return Record(error=("tenure", msg), src=src), None, None
+    digest = layout.digest if layout is not None else None
+    record = Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src, layout=digest)
+    return record, flat, layout
 
 
 def _record_failure(op: str) -> Callable[[int, tuple[str, str]], Exception]:
@@ -255,6 +261,8 @@ class Payload:
     tenure: Any
     error: str | None = None
     packed: bytes | None = None  # the pickled skeleton, on a receiver
+    #: every rank's tensor metadata equal the source's: `metas` is empty, receivers use their own
+    alike: bool = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Metadata as columns of plain values: pickles ~20x faster than one object per tensor.
@@ -272,7 +280,7 @@ class Payload:
         packed = self.packed if self.skeleton is None else _pickle_skeleton(self.skeleton)
         return (
             _payload,
-            (packed, columns, self.plan, self.token, self.torn, self.tenure, self.error),
+            (packed, columns, self.plan, self.token, self.torn, self.tenure, self.error, self.alike),
         )
 
     def skeleton_here(self) -> StateNode:
@@ -301,9 +309,11 @@ def _pickle_skeleton(skeleton: StateNode) -> bytes:
     return cloudpickle.dumps(skeleton)
 
 
-def _payload(packed: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any) -> Payload:
+def _payload(
+    packed: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any, alike: Any
+) -> Payload:
     metas = [TensorMeta(*row) for row in zip(*columns)] if columns[0] else []
-    return Payload(None, metas, plan, token, torn, tenure, error, packed)
+    return Payload(None, metas, plan, token, torn, tenure, error, packed, alike)
 
 
 def _failed_payload(msg: str) -> bytes:
@@ -430,7 +440,7 @@ def _sync_in(
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
-    mine, sds = _scan(state, config, line, src, with_schema=True)
+    mine, flat, layout = _scan(state, config, line, src, with_schema=True)
     records = _elect_records(group, mine, op)
     given = _check_src(records, group.world, op)
     _check_schemas(group, records, state, op)
@@ -449,7 +459,10 @@ def _sync_in(
         log.debug("%s: replicas already identical (tenure %r, lineage %s)", op, tenures[0], records[0].token)
     else:
         chosen = transport if transport is not None else default_transport()
-        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, sds)
+        assert flat is not None and layout is not None  # a record without an error comes with its walk
+        alike = all(rec.layout == records[source].layout for rec in records)
+        walk = _Walk(flat, layout, alike)
+        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, walk)
     _finish(state, config, report, op, notify)
     return report
 
@@ -494,6 +507,16 @@ class _Failures:
         return self.messages[0] if self.messages else None
 
 
+@attrs.frozen
+class _Walk:
+    """This rank's walk of its state for a transfer, its layout, and whether every rank's tensor metadata
+    equal the source's (`alike`: then no metadata travel and every receiver writes into its own tensors)."""
+
+    flat: Flat
+    layout: Layout
+    alike: bool
+
+
 def _transfer(
     state: Any,
     group: Collective,
@@ -503,72 +526,73 @@ def _transfer(
     transport: Transport,
     op: str,
     started: float,
-    sds: dict[Any, Any] | None,
+    walk: _Walk,
 ) -> SyncReport:
     """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
 
-    One walk of the state (with the module state dicts the election took, `sds`) gives the source its
-    tensors and a receiver its in-place targets. Tensors that share storage with another (tied weights,
-    views) travel once, inside their carrier, and are rebuilt as views on the receivers."""
+    The election's walk of the state gives the source its tensors and a receiver its in-place targets.
+    Tensors that share storage with another (tied weights, views) travel once, inside their carrier, and
+    are rebuilt as views on the receivers."""
     comm = group.comm
     assert comm is not None  # a transfer needs a group
     failures = _Failures()
-    own: dict[Any, torch.Tensor] | BaseException = {}
     if comm.rank == src:
-        flat, data, built = _pack_objects(state, sds, comm, src, src_tenure, line, transport)
+        data, built = _pack_objects(walk, comm, src, src_tenure, line, transport)
     else:
-        flat, data, built = None, None, None
-        try:  # walk our own tree while the source flattens and pickles
-            own = flatten(state, "sync", sds).index()
-        except Exception as exc:
-            own = exc
+        data, built = None, None
     payload, object_bytes = _exchange_objects(comm, src, data, built, op)
-    moving = carriers(payload.metas)
-    if flat is not None:
-        sent = [flat.tensors[i] for i in moving]
-        transport.send(comm, src, sent, [payload.metas[i] for i in moving], payload.plan, failures.add)
+    if payload.alike or comm.rank == src:  # this rank's own metadata are the source's
+        metas, moving, sent_metas = walk.layout.metas, walk.layout.moving, walk.layout.moving_metas
     else:
-        _receive(state, comm, src, payload, moving, own, transport, failures)
+        metas = payload.metas
+        moving = carriers(metas)
+        sent_metas = [metas[i] for i in moving]
+    if comm.rank == src:
+        sent = [walk.flat.tensors[i] for i in moving]
+        transport.send(comm, src, sent, sent_metas, payload.plan, failures.add)
+    else:
+        _receive(state, comm, src, payload, walk, metas, moving, sent_metas, transport, failures)
     _commit(group, src, failures, op)
     set_lineage(state, token=payload.token, torn=payload.torn)
     return SyncReport(
         src=src,
         tenure=payload.tenure,
         world_size=comm.world_size,
-        tensor_bytes=sum(payload.metas[i].nbytes for i in moving),
+        tensor_bytes=sum(m.nbytes for m in sent_metas),
         object_bytes=object_bytes,
         seconds=time.perf_counter() - started,
     )
 
 
 def _pack_objects(
-    state: Any,
-    sds: dict[Any, Any] | None,
+    walk: _Walk,
     comm: Comm,
     src: int,
     src_tenure: Any,
     line: Lineage,
     transport: Transport,
-) -> tuple[Flat | None, bytes, Payload | None]:
-    """The source's objects: the skeleton, tensor metadata, the transport's plan and the new lineage, in one
-    cloudpickle payload (or one that carries the source's error). Returns the flattened state too."""
+) -> tuple[bytes, Payload | None]:
+    """The source's objects: the skeleton, tensor metadata (none when every rank's are alike), the
+    transport's plan and the new lineage, in one cloudpickle payload (or one that carries the source's
+    error)."""
+    flat, layout = walk.flat, walk.layout
     try:
         fault_point("flatten", comm.rank)
-        flat = flatten(state, "sync", sds)
-        plan = transport.plan([flat.tensors[i] for i in carriers(flat.metas)], comm)
+        plan = transport.plan([flat.tensors[i] for i in layout.moving], comm)
         token = None if line.torn else uuid.uuid4().hex
-        payload = Payload(flat.skeleton, flat.metas, plan, token, line.torn, src_tenure)
+        metas = [] if walk.alike else layout.metas
+        payload = Payload(flat.skeleton, metas, plan, token, line.torn, src_tenure, alike=walk.alike)
     except Exception as exc:
         msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
-        return None, _failed_payload(msg), None
+        return _failed_payload(msg), None
     try:
-        return flat, cloudpickle.dumps(payload), payload
+        return cloudpickle.dumps(payload), payload
     except Exception:
         msg = (
             f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
             "picklable or mark the field elastic.local()"
         )
-        return None, _failed_payload(msg), None
+        return _failed_payload(msg), None
 
 
 def _exchange_objects(
@@ -587,35 +611,36 @@ def _receive(
     comm: Comm,
     src: int,
     payload: Payload,
+    walk: _Walk,
+    metas: list[TensorMeta],
     moving: list[int],
-    own: dict[Any, torch.Tensor] | BaseException,
+    sent_metas: list[TensorMeta],
     transport: Transport,
     failures: _Failures,
 ) -> None:
-    """A receiver's tensors: in place where it has a matching tensor, allocated from the metadata
-    otherwise; then the fields applied. Torn from the first byte written into its own state until commit.
+    """A receiver's tensors: into its own tensors when its metadata equal the source's, else in place where
+    it has a matching tensor and allocated from the metadata otherwise; then the fields applied. Torn from
+    the first byte written into its own state until commit.
 
     A receiver that cannot decode the skeleton or place the tensors still takes part in every collective,
     receiving into scratch tensors (its state untouched, so not torn), and reports the failure at commit:
     every rank raises the same `SyncError` then, and the group's collectives stay in step."""
     try:
         fault_point("decode", comm.rank)
-        if isinstance(own, BaseException):
-            raise own
         skeleton = payload.skeleton_here()
-        targets, in_place = receive_targets(
-            state, payload.metas, "sync", lambda m: transport.device_for(m, comm), index=own
-        )
+        if payload.alike:
+            targets, in_place = list(walk.flat.originals), [True] * len(metas)
+        else:
+            targets, in_place = receive_targets(
+                state, metas, "sync", lambda m: transport.device_for(m, comm), index=walk.flat.index()
+            )
     except Exception as exc:
         failures.add(exc)
         skeleton = None
-        targets = [
-            torch.empty(m.shape, dtype=m.dtype, device=transport.device_for(m, comm)) for m in payload.metas
-        ]
+        targets = [torch.empty(m.shape, dtype=m.dtype, device=transport.device_for(m, comm)) for m in metas]
         in_place = [False] * len(targets)
     if any(in_place[i] for i in moving):
         set_lineage(state, token=None, torn=True)
-    sent_metas = [payload.metas[i] for i in moving]
     transport.receive(comm, src, [targets[i] for i in moving], sent_metas, payload.plan, failures.add)
     if failures.first is not None or skeleton is None:
         return
@@ -623,7 +648,7 @@ def _receive(
     try:
         fault_point("apply", comm.rank)
         with torch.no_grad():
-            fill_aliases(targets, payload.metas)
+            fill_aliases(targets, metas)
             apply_fields(state, skeleton, targets, in_place)
     except Exception as exc:
         failures.add(exc)

@@ -29,7 +29,6 @@ __all__ = [
     "StatefulNode",
     "TensorMeta",
     "TensorSlot",
-    "digests_of",
     "field_digests",
     "flatten",
     "kind_of",
@@ -49,7 +48,10 @@ __all__ = [
     "fill_aliases",
     "path_str",
     "receive_targets",
+    "layout_digest",
+    "module_layout",
     "scan_schema",
+    "schema_digests",
     "schema_of",
     "tensor_index",
 ]
@@ -167,6 +169,8 @@ class Flat:
     #: the tensor objects themselves (`tensors` are their detached views): where a receiver writes in place
     originals: list[torch.Tensor]
     grads: list[bool]
+    #: the module state dicts the walk took (or was given), by path
+    sds: dict[Path, Any] = attrs.Factory(dict)
     _metas: list[TensorMeta] | None = None
 
     @property
@@ -175,6 +179,26 @@ class Flat:
         if self._metas is None:
             self._metas = _metas_of(self.paths, self.tensors, self.grads)
         return self._metas
+
+    def use_metas(self, metas: list[TensorMeta]) -> None:
+        """Take `metas` (kept from an earlier walk with the same `signature`) instead of computing them."""
+        self._metas = metas
+
+    def signature(self) -> tuple[Any, ...]:
+        """Everything `metas` is computed from (paths, shapes, strides, dtypes, devices, `requires_grad`,
+        where each tensor's bytes start in which storage), as plain values: two walks with equal signatures
+        have equal metadata. Cheap (a few attribute reads per tensor, in C loops) next to the metadata."""
+        ts = self.tensors
+        return (
+            tuple(self.paths),
+            [t.shape for t in ts],
+            [t.stride() for t in ts],
+            [t.dtype for t in ts],
+            [t.device for t in ts],
+            tuple(self.grads),
+            [t.data_ptr() for t in ts],
+            [t.storage_offset() for t in ts],
+        )
 
     def index(self) -> dict[Path, torch.Tensor]:
         """The state's own tensors by path, as `tensor_index` finds them (from the same walk)."""
@@ -303,7 +327,8 @@ def check_tensor(tensor: torch.Tensor, path: Path) -> None:
 def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | None = None) -> Flat:
     """Flatten the `which` fields of a state into a skeleton and its tensors (never modifies `state`).
 
-    `state_dicts` are module state dicts by path that `scan_schema` already took (not taken again)."""
+    `state_dicts` holds module state dicts by path already taken (not taken again); the ones this walk takes
+    are added to it."""
     tensors: list[torch.Tensor] = []
     paths: list[Path] = []
     originals: list[torch.Tensor] = []
@@ -319,8 +344,9 @@ def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | No
         grads.append(grad)
         return _slot(len(tensors) - 1)
 
-    skeleton = _walk_state(state, (), which, leaf, state_dicts)
-    return Flat(skeleton=skeleton, tensors=tensors, paths=paths, originals=originals, grads=grads)
+    sds: dict[Path, Any] = {} if state_dicts is None else state_dicts
+    skeleton = _walk_state(state, (), which, leaf, sds)
+    return Flat(skeleton=skeleton, tensors=tensors, paths=paths, originals=originals, grads=grads, sds=sds)
 
 
 _SLOTS: list[TensorSlot] = []
@@ -478,6 +504,8 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any]
                 sd = sds[path]
             else:
                 sd = canonical_state_dict(value)
+                if sds is not None:  # the caller keeps the state dicts taken (for the schema)
+                    sds[path] = sd
         except Exception as exc:
             msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
             raise TypeError(msg) from exc
@@ -870,39 +898,60 @@ def schema_of(state: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
     return scan_schema(state)[0]
 
 
-def scan_schema(state: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], dict[Path, Any]]:
-    """The schema of `state` without flattening it (a sync with nothing to move needs no more), and the
-    module state dicts it took, by path, for a `flatten` that follows. Raises `TypeError` for a field that
-    can never be synced (a DistributedSampler, a tensor subclass), so every rank learns before anything
-    moves."""
-    sds: dict[Path, Any] = {}
-    return _scan_state(state, (), sds), sds
+def scan_schema(
+    state: Any, sds: dict[Path, Any] | None = None
+) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], dict[Path, Any]]:
+    """The schema of `state` in full (module layouts as (name, shape, dtype) rows, for messages that say
+    what differs), and the module state dicts it used, by path: those in `sds` (taken by a `flatten`) or
+    taken now. Raises `TypeError` for a field that can never be synced (a DistributedSampler, a tensor
+    subclass), so every rank learns before anything moves."""
+    taken: dict[Path, Any] = {} if sds is None else sds
+    return _scan_state(state, (), taken, module_layout), taken
 
 
-def _scan_state(state: Any, path: Path, sds: dict[Path, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+#: What a schema holds for a module: (path, its state dict) -> its layout, or a digest of the layout.
+LayoutOf = Callable[[Path, dict[str, Any]], Any]
+
+
+def module_layout(path: Path, sd: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """A module's (name, shape, dtype) rows, from its canonical state dict."""
+    layout = []
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            check_tensor(v, (*path, k))
+            layout.append((k, tuple(v.shape), str(v.dtype)))
+    return tuple(layout)
+
+
+def layout_digest(path: Path, sd: dict[str, Any]) -> str:
+    """The digest of a module's layout (what the compact schema holds)."""
+    return _digest(module_layout(path, sd))
+
+
+def _scan_state(
+    state: Any, path: Path, sds: dict[Path, Any], layout_of: LayoutOf
+) -> tuple[str, tuple[tuple[str, Any], ...]]:
     fields = tuple(
-        (name, _value_schema(getattr(state, name), (*path, name), sds)) for name in _fields_of(state, "sync")
+        (name, _value_schema(getattr(state, name), (*path, name), sds, layout_of))
+        for name in _fields_of(state, "sync")
     )
     return (type(state).__qualname__, fields)
 
 
-def _value_schema(value: Any, path: Path, sds: dict[Path, Any]) -> Any:
+def _value_schema(value: Any, path: Path, sds: dict[Path, Any], layout_of: LayoutOf) -> Any:
     kind = kind_of(value)
     if kind == "module":
-        sd = sds[path] = canonical_state_dict(value)
-        layout = []
-        for k, v in sd.items():
-            if isinstance(v, torch.Tensor):
-                check_tensor(v, (*path, k))
-                layout.append((k, tuple(v.shape), str(v.dtype)))
-        return ("module", tuple(layout))
+        sd = sds.get(path)
+        if sd is None:
+            sd = sds[path] = canonical_state_dict(value)
+        return ("module", layout_of(path, sd))
     if kind == "optimizer":
         groups = tuple(
             (len(g["params"]), tuple(sorted(str(k) for k in g if k != "params"))) for g in value.param_groups
         )
         return ("optimizer", type(value).__qualname__, groups)
     if kind == "state":
-        return ("state", _scan_state(value, path, sds))
+        return ("state", _scan_state(value, path, sds, layout_of))
     if kind == "stateful":
         return ("stateful", type(value).__qualname__)
     if kind == "rng":
@@ -914,17 +963,21 @@ def _value_schema(value: Any, path: Path, sds: dict[Path, Any]) -> Any:
     return (kind,)
 
 
-def digests_of(
-    schema: tuple[str, tuple[tuple[str, Any], ...]],
+def schema_digests(
+    state: Any, sds: dict[Path, Any] | None = None, layout_of: LayoutOf = layout_digest
 ) -> tuple[str, tuple[tuple[str, str, str], ...]]:
-    """A compact schema: the class name and, per synced field, (name, kind, digest)."""
-    qualname, fields = schema
+    """The compact schema: the class name and, per synced field, (name, kind, digest), where a module's
+    layout counts by its digest (`layout_of`: a caller that kept the digests of unchanged layouts passes
+    them). The module state dicts are those in `sds` or taken now."""
+    taken: dict[Path, Any] = {} if sds is None else sds
+    qualname, fields = _scan_state(state, (), taken, layout_of)
     return qualname, tuple((name, sch[0], _digest(sch)) for name, sch in fields)
 
 
 def field_digests(state: Any) -> tuple[str, tuple[tuple[str, str, str], ...]]:
     """A compact schema: the class name and, per synced field, (name, kind, digest)."""
-    return digests_of(schema_of(state))
+    config_of(state)
+    return schema_digests(state)
 
 
 def compatible(a: tuple[str, str, str], b: tuple[str, str, str]) -> bool:

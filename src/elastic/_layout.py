@@ -1,0 +1,71 @@
+"""What a sync derives from a state's tensors, kept while they keep their layout.
+
+Every sync walks the state (`_tree.flatten`): that is how it finds the tensors, and a sync must see a
+replaced parameter or a new optimizer state at once. What it then derives from those tensors (their
+metadata with the aliases among them, a digest of that metadata, each module's layout digest for the
+schema) depends only on `Flat.signature()`: where each tensor sits, its shape, strides, dtype, device and
+`requires_grad`. A state that syncs every few steps keeps the same signature, so the derived values are
+kept per state (by identity, dropped with the state) and reused while the signature is equal, and
+transports can recognise the metadata lists they saw before by identity.
+
+The metadata digest is the same on every rank whose tensors sit alike: when every receiver reports the
+source's digest, the source sends no metadata and each receiver writes into its own tensors, in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import attrs
+
+from ._tree import Flat, Path, TensorMeta, carriers, layout_digest
+from ._weakmap import IdentityWeakMap
+
+__all__ = ["Layout", "layout_of"]
+
+
+@attrs.define(eq=False)
+class Layout:
+    """The values derived from one signature of a state's tensors."""
+
+    signature: tuple[Any, ...]
+    metas: list[TensorMeta]
+    #: the carriers (tensors whose bytes travel) and their metadata, as stable lists
+    moving: list[int]
+    moving_metas: list[TensorMeta]
+    #: a digest of `metas`: equal on ranks whose tensors sit alike
+    digest: str
+    module_digests: dict[Path, str] = attrs.Factory(dict)
+
+    def module_digest(self, path: Path, sd: dict[str, Any]) -> str:
+        """The layout digest of the module at `path` (whose state dict is `sd`), kept with the layout."""
+        found = self.module_digests.get(path)
+        if found is None:
+            found = self.module_digests[path] = layout_digest(path, sd)
+        return found
+
+
+def metas_digest(metas: list[TensorMeta]) -> str:
+    """A digest of the metadata's values (paths, shapes, dtypes, devices, strides, grads, aliases)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr([tuple(m) for m in metas]).encode())
+    return h.hexdigest()
+
+
+_kept: IdentityWeakMap[Layout] = IdentityWeakMap()
+
+
+def layout_of(state: Any, flat: Flat) -> Layout:
+    """The layout of `flat` (a walk of `state`): the one kept for `state` when the signature is unchanged
+    (then `flat` takes its metadata), else a new one, kept for next time."""
+    signature = flat.signature()
+    kept = _kept.get(state)
+    if kept is not None and kept.signature == signature:
+        flat.use_metas(kept.metas)
+        return kept
+    metas = flat.metas
+    moving = carriers(metas)
+    layout = Layout(signature, metas, moving, [metas[i] for i in moving], metas_digest(metas))
+    _kept.set(state, layout)
+    return layout
