@@ -354,7 +354,9 @@ def _transfer_checks(rank: int, world: int) -> dict[str, Any]:
     held = transport._take_buffers(cpu, 1, 0)
     src, targets = _tensors(rank)
     out["new buffers"] = run("new buffers", src, targets)
-    out["new buffers values"] = rank == 0 or all(torch.equal(t, s.resolve_conj()) for t, s in zip(targets, src))
+    out["new buffers values"] = rank == 0 or all(
+        torch.equal(t, s.resolve_conj()) for t, s in zip(targets, src)
+    )
     out["new buffers taken"] = [b.data_ptr() for b in transport._buffers[cpu]] != out["cached"]
     transport._return_buffers(cpu, held)
 
