@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from ._comm import Comm, fault_point
 from ._transport import (
-    BUCKET_BYTES,
     RAMP_MIN,
     BroadcastTransport,
     Bucket,
@@ -64,6 +63,7 @@ from ._tree import TensorMeta
 
 __all__ = [
     "MIN_BYTES",
+    "SHM_BUCKET_BYTES",
     "SLOTS",
     "SegmentRef",
     "SharedMemoryTransport",
@@ -78,8 +78,14 @@ log = logging.getLogger("elastic")
 
 OnError = Callable[[BaseException], None]
 
-#: Default ring depth: slots of the shared segment, buckets the source may fill before receivers catch up.
-SLOTS = 2
+#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in 2,000 tensors, medians of 7 rounds (two
+#: runs): 8 MiB buckets in 3 slots took 1.06-1.32x one flat broadcast, 16 MiB in 2 slots 1.30-1.43x,
+#: 4 MiB in 3-4 slots 1.18-1.46x (smaller buckets stay in cache between the two copies, but each costs
+#: an all-reduce).
+SHM_BUCKET_BYTES = 8 * 2**20
+#: Default ring depth: slots of the shared segment, buckets the source may fill before receivers catch up
+#: (at least 2: the source packs one slot while receivers unpack another).
+SLOTS = 3
 #: Default size below which the shared-memory path is not worth its extra all-reduce: plain broadcast.
 MIN_BYTES = 2**20
 #: At most this many receiver mappings are kept between syncs (one per source process, usually one).
@@ -256,13 +262,39 @@ def shared_cached_bytes() -> int:
 
 
 def release_shared() -> None:
-    """Drop the kept segments and mappings (the next transfer creates or maps them again)."""
+    """Drop the kept segments, mappings and bucket plans (the next transfer makes them again)."""
     with _lock:
         dropped = list(_free)
         _free.clear()
         _mapped.clear()
+        _plans.clear()
     for s in dropped:
         s.close()
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Bucket plans, kept for the layouts seen last (a training loop syncs the same state again and again)
+
+#: At most this many bucket plans are kept.
+MAX_PLANS = 4
+_plans: OrderedDict[Any, list[Bucket]] = OrderedDict()
+
+
+def _buckets_for(metas: list[TensorMeta], bucket_bytes: int, ramp_min: int) -> list[Bucket]:
+    """`plan_buckets` of every tensor in `metas` (none direct), from a small cache keyed by the shapes and
+    dtypes (a tenth of the cost of planning 2,000 tensors)."""
+    key = (bucket_bytes, ramp_min, tuple([(m.shape, m.dtype) for m in metas]))
+    with _lock:
+        cached = _plans.get(key)
+        if cached is not None:
+            _plans.move_to_end(key)
+            return cached
+    buckets = plan_buckets(metas, [False] * len(metas), bucket_bytes, ramp_min)
+    with _lock:
+        _plans[key] = buckets
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+    return buckets
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -379,7 +411,7 @@ class SharedMemoryTransport:
     receivers' mappings are kept between calls (`release_shared` drops them).
     """
 
-    bucket_bytes: int = attrs.field(default=BUCKET_BYTES, validator=_at_least(1))
+    bucket_bytes: int = attrs.field(default=SHM_BUCKET_BYTES, validator=_at_least(1))
     slots: int = attrs.field(default=SLOTS, validator=_at_least(2))
     min_bytes: int = attrs.field(default=MIN_BYTES, validator=_at_least(0))
     ramp_min: int = attrs.field(default=RAMP_MIN, validator=_at_least(1))
@@ -418,7 +450,7 @@ class SharedMemoryTransport:
 
     @staticmethod
     def _buckets(metas: list[TensorMeta], plan: ShmPlan) -> list[Bucket]:
-        return plan_buckets(metas, [False] * len(metas), plan.bucket_bytes, plan.ramp_min)
+        return _buckets_for(metas, plan.bucket_bytes, plan.ramp_min)
 
     def send(
         self,
