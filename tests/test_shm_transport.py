@@ -132,7 +132,7 @@ def test_open_refuses_a_path_that_is_not_the_segment(monkeypatch: pytest.MonkeyP
 
 @needs_memfd
 def test_plan_names_a_kept_segment_or_only_the_fallback() -> None:
-    chosen = SharedMemoryTransport(bucket_bytes=64 * 1024, min_bytes=4096)
+    chosen = SharedMemoryTransport(bucket_bytes=64 * 1024, slots=2, min_bytes=4096)
     small = [torch.zeros(1000), torch.zeros(20)]  # 4,080 bytes
     plan = chosen.plan(small, _comm())
     assert plan == ShmPlan(None, [False, False])
