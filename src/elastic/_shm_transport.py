@@ -78,10 +78,10 @@ log = logging.getLogger("elastic")
 
 OnError = Callable[[BaseException], None]
 
-#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in 2,000 tensors, medians of 7 rounds (two
-#: runs): 8 MiB buckets in 3 slots took 1.06-1.32x one flat broadcast, 16 MiB in 2 slots 1.30-1.43x,
-#: 4 MiB in 3-4 slots 1.18-1.46x (smaller buckets stay in cache between the two copies, but each costs
-#: an all-reduce).
+#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in 2,000 tensors, medians of 7 rounds in
+#: each of three runs on a shared machine (per-run figures flip by up to 0.7x): the transfer alone took
+#: 1.06-1.73x one flat broadcast with 8 MiB buckets in 3 slots (sync 1.88-2.33x), 0.95-1.43x with 16 MiB
+#: in 2 (sync 1.95-2.67x), 1.18-1.46x with 4 MiB in 3-4; BroadcastTransport 1.69-2.02x (sync 2.34-3.09x).
 SHM_BUCKET_BYTES = 8 * 2**20
 #: Default ring depth: slots of the shared segment, buckets the source may fill before receivers catch up
 #: (at least 2: the source packs one slot while receivers unpack another).
