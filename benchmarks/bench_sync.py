@@ -5,7 +5,10 @@ so every sync writes in place; `force=True` makes every round move all the bytes
 same run and interleaved round by round (the order rotates), it times:
 
 - floor: one `dist.broadcast` of a flat, preallocated buffer of the same bytes (no Python, no packing);
-- `elastic.sync(state, force=True)`: election, object payload, tensors, commit;
+- `elastic.sync(state, force=True)`: election, object payload, tensors, commit; both ranks on one host,
+  so the tensors go through the default transport's shared-memory ring;
+- the same sync with the broadcast transport only (what ranks on different hosts get: gloo broadcasts of
+  reused buckets, like the floor over loopback TCP);
 - one `dist.broadcast` per tensor (what a hand-written `sync()` does);
 - `dist.broadcast_object_list` of the tensors (pickled);
 - `torch.distributed._broadcast_coalesced`, torch's C++ bucketed broadcast that DDP uses to align
@@ -17,8 +20,8 @@ ratio of its median to the floor's median (the floor alone flips between about 3
 round to the next here, so per-round ratios would be noisier), with the CPU time both ranks spent (all
 threads: a figure that other load on the machine disturbs less than wall time). The receiver's peak
 extra memory is the rise of its high-water mark (VmHWM, reset through /proc/self/clear_refs) above its RSS
-before the call; for sync the bucket buffers the transport keeps between calls are added, since they
-exist only for sync.
+before the call; for sync the memory its transport keeps between calls is added (the shared slots it maps,
+or the bucket buffers of the broadcast transport), since it exists only for sync.
 
     python benchmarks/bench_sync.py            # 128 MiB states, 7 rounds
     python benchmarks/bench_sync.py --quick    # 16 MiB states, 3 rounds (smoke run)
@@ -43,11 +46,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import elastic
-from elastic import _transport
+from elastic import _transport, _transports
+from elastic._shm_transport import SharedMemoryTransport, shared_cached_bytes
+from elastic._transport import BroadcastTransport
 
 MiB = 2**20
 #: DDP's default `broadcast_bucket_size` for `_sync_module_states`.
 DDP_BUCKET_BYTES = 250 * MiB
+#: The transport ranks on different hosts get (the default's fallback).
+BROADCAST = BroadcastTransport()
 
 
 @elastic.elastic_state(tenure="step")
@@ -131,6 +138,13 @@ def make_methods(
             msg = f"unexpected sync report {report}"
             raise RuntimeError(msg)
 
+    def sync_broadcast() -> None:  # the same over gloo broadcasts only (what ranks on other hosts get)
+        previous = _transports.set_default_transport(BROADCAST)
+        try:
+            sync()
+        finally:
+            _transports.set_default_transport(previous)
+
     def verify() -> None:  # digests every byte of the state, one small all-gather
         elastic.verify(state)
 
@@ -165,6 +179,7 @@ def make_methods(
     return {
         "floor": floor,
         "sync": sync,
+        "sync_broadcast": sync_broadcast,
         "fast_sync": fast_sync,
         "verify": verify,
         "per_tensor": per_tensor,
@@ -178,6 +193,7 @@ def make_methods(
 LABELS = {
     "floor": "one `broadcast` of a flat buffer (floor)",
     "sync": "`elastic.sync(state, force=True)`",
+    "sync_broadcast": "`elastic.sync(state, force=True)`, broadcast transport (no shared memory)",
     "fast_sync": "`elastic.sync(state)` with nothing to move (fast path)",
     "verify": "`elastic.verify(state)` (digest of every byte)",
     "per_tensor": "one `broadcast` per tensor",
@@ -188,9 +204,19 @@ LABELS = {
 }
 
 
-def time_one(fn: Callable[[], None], is_sync: bool) -> tuple[float, float, float, float]:
+def kept_by(key: str) -> float:
+    """Bytes the method's transport keeps between calls on this rank (shared memory mapped or own, bucket
+    buffers); 0 for the methods that keep nothing."""
+    if key == "sync":
+        return float(shared_cached_bytes())
+    if key == "sync_broadcast":
+        return float(_transport.cached_bytes())
+    return 0.0
+
+
+def time_one(fn: Callable[[], None], key: str) -> tuple[float, float, float, float]:
     """(seconds of the slower rank, CPU seconds of both ranks (all threads), receiver's rise of its
-    high-water mark, bucket buffers it keeps)."""
+    high-water mark, memory its transport keeps between calls)."""
     gc.collect()
     trim_heap()
     reset_high_water()
@@ -200,7 +226,7 @@ def time_one(fn: Callable[[], None], is_sync: bool) -> tuple[float, float, float
     fn()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     rise = (_status_kib("VmHWM") - rss) * 1024.0
-    kept = float(_transport.cached_bytes()) if is_sync else 0.0
+    kept = kept_by(key)
     mine = torch.tensor([seconds, cpu, rise, kept], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
@@ -231,7 +257,7 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     tensors = state.tensors
     flat = torch.ones(total, dtype=torch.uint8)  # touched: no page faults inside the floor
     ids = [t.data_ptr() for t in tensors]
-    _transport.release_buffers()  # this case's sync allocates (and then keeps) its own
+    _transports.release_buffers()  # this case's sync allocates (and then keeps) its own
     methods = {k: v for k, v in make_methods(state, flat, rank).items() if k in methods_wanted}
     order = list(methods)
     times: dict[str, list[float]] = {k: [] for k in order}
@@ -241,7 +267,7 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     for r in range(rounds + 1):  # round 0 warms up (connections, bucket buffers, allocator)
         turn = order[r % len(order) :] + order[: r % len(order)]
         for key in turn:
-            seconds, cpu, rise, kept = time_one(methods[key], key == "sync")
+            seconds, cpu, rise, kept = time_one(methods[key], key)
             if r > 0:
                 times[key].append(seconds)
                 cpus[key].append(cpu)
@@ -275,14 +301,15 @@ def worker(
 
 
 def report(results: list[dict], rounds: int, load_before: float) -> None:
-    used = _transport.default_transport()
-    assert isinstance(used, _transport.BroadcastTransport)
+    used = _transports.default_transport()
+    assert isinstance(used, SharedMemoryTransport)
     bucket = used.bucket_bytes
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(
-        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}), bucket_bytes "
-        f"{bucket / MiB:g} MiB, in_flight {used.in_flight}, direct_bytes "
-        f"{used.direct_bytes / MiB:g} MiB; medians of {rounds} interleaved rounds\n"
+        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}); sync: shared "
+        f"memory {used.slots} x {bucket / MiB:g} MiB slots, broadcast transport {BROADCAST.in_flight} x "
+        f"{BROADCAST.bucket_bytes / MiB:g} MiB buckets, direct_bytes {BROADCAST.direct_bytes / MiB:g} MiB; "
+        f"medians of {rounds} interleaved rounds\n"
     )
     print("| state | method | median ms | x floor | CPU ms, both ranks | receiver peak extra MiB |")
     print("|---|---|---:|---:|---:|---:|")
@@ -298,13 +325,13 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             rise = statistics.median(r for r, _ in res["mem"][key]) / MiB
             kept = max(k for _, k in res["mem"][key]) / MiB
             mem = f"{rise + kept:.1f}"
-            if key == "sync":
-                mem += f" ({kept * MiB / bucket:g} buckets + {rise:.1f})"
+            if key in ("sync", "sync_broadcast"):
+                mem += f" ({kept:g} kept + {rise:.1f})"
             cpu = statistics.median(res["cpus"][key]) * 1e3
             ms = statistics.median(ts) * 1e3
             print(f"| {state} | {LABELS[key]} | {ms:.1f} | {ratios[key]:.2f} | {cpu:.0f} | {mem} |")
         if "sync" in ratios:
-            peak = max(r + k for r, k in res["mem"]["sync"]) / bucket
+            peak = max(r + k for r, k in res["mem"]["sync"]) / MiB
             line = f"{state}: sync {ratios['sync']:.2f}x floor"
             if "coalesced" in ratios:
                 vs = statistics.median(times["sync"]) / statistics.median(times["coalesced"])
@@ -312,7 +339,9 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             if "coalesced16" in ratios:
                 vs = statistics.median(times["sync"]) / statistics.median(times["coalesced16"])
                 line += f", {vs:.2f}x _broadcast_coalesced at 16 MiB buckets"
-            line += f", receiver peak extra memory (worst round) {peak:.2f} buckets"
+            if "sync_broadcast" in ratios:
+                line += f" ({ratios['sync_broadcast']:.2f}x by broadcasts only)"
+            line += f", receiver peak extra memory (worst round) {peak:.1f} MiB"
             if "verify" in ratios:
                 line += f"; verify costs {ratios['verify'] / ratios['sync']:.2f}x one sync"
             if "fast_sync" in ratios:
@@ -323,7 +352,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
         print(line)
     print("targets: many tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced; few tensors <= 1.3x floor;")
     print("         a module of 2,000 tensors <= 2.0x floor and <= 0.8x 16 MiB-bucket _broadcast_coalesced;")
-    print("         peak extra memory <= 2 buckets")
+    print("         peak extra memory <= 2 buckets of 16 MiB (32 MiB)")
 
 
 def free_port() -> int:
@@ -339,7 +368,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
     parser.add_argument(
         "--methods",
-        default="floor,sync,fast_sync,verify,per_tensor,object_list,coalesced,coalesced16,coalesced_1t",
+        default="floor,sync,sync_broadcast,fast_sync,verify,per_tensor,object_list,coalesced,coalesced16,"
+        "coalesced_1t",
         help="comma-separated subset of the methods (floor is always kept): " + ",".join(LABELS),
     )
     parser.add_argument("--case", choices=["many", "few", "module", "both", "all"], default="all")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import elastic
-from elastic import _transport
+from elastic import _transports
 from elastic._comm import Comm
 from elastic._shm_transport import SharedMemoryTransport
 from elastic._transport import BroadcastTransport, Transport
@@ -95,11 +95,11 @@ def make_methods(
 
     def synced(transport: Transport) -> Callable[[], None]:
         def run() -> None:
-            previous = _transport.set_default_transport(transport)
+            previous = _transports.set_default_transport(transport)
             try:
                 report = elastic.sync(state, force=True)
             finally:
-                _transport.set_default_transport(previous)
+                _transports.set_default_transport(previous)
             if report.src != 0 or report.tensor_bytes != flat.numel():
                 msg = f"unexpected sync report {report}"
                 raise RuntimeError(msg)

@@ -60,9 +60,10 @@ def equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def _small_buckets() -> None:
     import elastic._transport as transport
+    import elastic._transports as transports
 
     # a dozen buckets for this state, no direct broadcast
-    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024, direct_bytes=1 << 40))
+    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024, direct_bytes=1 << 40))
 
 
 def _outcome(fn: Any) -> tuple[str, str, str | None] | None:

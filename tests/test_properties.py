@@ -31,9 +31,10 @@ class Box:
 
 def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> list[Any]:
     import elastic._transport as transport
+    import elastic._transports as transports
 
     # tensors spanning buckets, many buckets, and some direct broadcasts
-    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=256, direct_bytes=64))
+    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=256, direct_bytes=64))
     from elastic._tree import kind_of
 
     out = []

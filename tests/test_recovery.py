@@ -42,9 +42,10 @@ def _train(s: S, steps: int) -> None:
 def _body(proc: int, nprocs: int) -> dict[str, Any]:
     """Processes 0, 1, 2 form generation 0; 2 dies mid-sync; 0, 1 and the new process 3 form generation 1."""
     import elastic._transport as transport
+    import elastic._transports as transports
 
     # several buckets, so that a death lands mid-transfer
-    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024))
+    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024))
     port = int(os.environ["MASTER_PORT"])
     store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=proc == 0, timeout=timedelta(seconds=60))
     out: dict[str, Any] = {}

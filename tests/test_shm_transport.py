@@ -270,7 +270,7 @@ def _transfer(
 
 def _two_rank_checks(rank: int, world: int) -> dict[str, Any]:
     import elastic._shm_transport as shm
-    from elastic._transport import set_default_transport
+    from elastic._transports import set_default_transport
 
     out: dict[str, Any] = {}
     chosen = SharedMemoryTransport(bucket_bytes=256, min_bytes=0, ramp_min=64)
@@ -397,7 +397,7 @@ def _three_rank_checks(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from elastic import SyncError
-    from elastic._transport import set_default_transport
+    from elastic._transports import set_default_transport
 
     out: dict[str, Any] = {}
     chosen = SharedMemoryTransport(bucket_bytes=256, min_bytes=0, slots=3)

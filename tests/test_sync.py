@@ -105,9 +105,10 @@ def _same(a: Any, b: Any) -> bool:
 
 def _election_and_kinds(rank: int, world: int) -> dict[str, Any]:
     import elastic._transport as transport
+    import elastic._transports as transports
 
     # several buckets even for this small state
-    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=64 * 1024))
+    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=64 * 1024))
     State, calls = _state_class()
     # rank 0 is brand new (no state at all), rank 1 trained 2 steps, rank 2 trained 3 steps
     s = _build(rank, State, trained=rank > 0, steps=rank + 1)
@@ -288,8 +289,9 @@ def _torn(rank: int, world: int) -> dict[str, Any]:
     import os
 
     import elastic._transport as transport
+    import elastic._transports as transports
 
-    transport.set_default_transport(transport.BroadcastTransport(bucket_bytes=512))  # about six buckets
+    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=512))  # about six buckets
     State, _ = _state_class()
     s = _build(rank, State, trained=True, steps=rank + 1)
     out: dict[str, Any] = {}

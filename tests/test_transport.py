@@ -227,13 +227,13 @@ def test_kept_plans_are_found_by_value_and_split_for_the_buffer_given() -> None:
     transport.release_buffers()
     metas = [_meta(i, (4,), torch.float32) for i in range(6)]
     tensors = [torch.arange(4.0) + i for i in range(6)]
-    plan = transport._plan_for(metas, [False] * 6, 32, 4096)
-    assert transport._plan_for(list(metas), [False] * 6, 32, 4096) is plan  # equal metadata: kept
+    plan = transport.kept_plan(metas, [False] * 6, 32, 4096)
+    assert transport.kept_plan(list(metas), [False] * 6, 32, 4096) is plan  # equal metadata: kept
     assert [b.size for b in plan.buckets] == [32, 32, 32]
-    assert transport._plan_for(metas, [False] * 6, 64, 4096) is not plan  # other buckets
-    assert transport._plan_for(metas, [True] + [False] * 5, 32, 4096) is not plan  # other direct tensors
+    assert transport.kept_plan(metas, [False] * 6, 64, 4096) is not plan  # other buckets
+    assert transport.kept_plan(metas, [True] + [False] * 5, 32, 4096) is not plan  # other direct tensors
     other = [*metas[:5], _meta(5, (2, 2), torch.float32)]
-    assert transport._plan_for(other, [False] * 6, 32, 4096) is not plan  # other metadata
+    assert transport.kept_plan(other, [False] * 6, 32, 4096) is not plan  # other metadata
     a, b = torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
     first = plan.split(a, 1, tensors, lambda i, t: True, True)
     assert plan.split(a, 1, tensors, lambda i, t: True, True) is first
@@ -428,16 +428,20 @@ def test_broadcast_transport_takes_its_sizes_as_arguments() -> None:
 
 
 def test_default_transport_can_be_replaced() -> None:
+    import elastic._transports as transports
+    from elastic._shm_transport import SharedMemoryTransport
+
+    assert transports.default_transport() == SharedMemoryTransport()  # with its broadcast fallback
     mine = BroadcastTransport(bucket_bytes=1024)
-    previous = transport.set_default_transport(mine)
+    previous = transports.set_default_transport(mine)
     try:
-        assert transport.default_transport() is mine
+        assert transports.default_transport() is mine
         with pytest.raises(TypeError, match="set_default_transport\\(\\) needs a Transport"):
-            transport.set_default_transport(object())  # type: ignore[arg-type]
-        assert transport.default_transport() is mine
+            transports.set_default_transport(object())  # type: ignore[arg-type]
+        assert transports.default_transport() is mine
     finally:
-        assert transport.set_default_transport(previous) is mine
-    assert transport.default_transport() is previous
+        assert transports.set_default_transport(previous) is mine
+    assert transports.default_transport() is previous
 
 
 def test_device_for_follows_the_placement() -> None:

@@ -50,16 +50,14 @@ from ._transport import (
     RAMP_MIN,
     BroadcastTransport,
     Bucket,
+    Packer,
     Transport,
-    _copy_all,
-    _nbytes,
-    _plain,
+    Unpacker,
     _quiet,
-    _raw,
-    _whole_runs,
-    plan_buckets,
+    kept_plan,
 )
 from ._tree import TensorMeta
+from ._weakmap import IdentityWeakMap
 
 __all__ = [
     "MIN_BYTES",
@@ -262,100 +260,27 @@ def shared_cached_bytes() -> int:
 
 
 def release_shared() -> None:
-    """Drop the kept segments, mappings and bucket plans (the next transfer makes them again)."""
+    """Drop the kept segments and mappings (the next transfer makes them again)."""
     with _lock:
         dropped = list(_free)
         _free.clear()
         _mapped.clear()
-        _plans.clear()
     for s in dropped:
         s.close()
 
 
-# -----------------------------------------------------------------------------------------------------------
-# Bucket plans, kept for the layouts seen last (a training loop syncs the same state again and again)
-
-#: At most this many bucket plans are kept.
-MAX_PLANS = 4
-_plans: OrderedDict[Any, list[Bucket]] = OrderedDict()
+_slot_cache: IdentityWeakMap[tuple[tuple[int, int], list[torch.Tensor]]] = IdentityWeakMap()
 
 
-def _buckets_for(metas: list[TensorMeta], bucket_bytes: int, ramp_min: int) -> list[Bucket]:
-    """`plan_buckets` of every tensor in `metas` (none direct), from a small cache keyed by the shapes and
-    dtypes (a tenth of the cost of planning 2,000 tensors)."""
-    key = (bucket_bytes, ramp_min, tuple([(m.shape, m.dtype) for m in metas]))
-    with _lock:
-        cached = _plans.get(key)
-        if cached is not None:
-            _plans.move_to_end(key)
-            return cached
-    buckets = plan_buckets(metas, [False] * len(metas), bucket_bytes, ramp_min)
-    with _lock:
-        _plans[key] = buckets
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
-    return buckets
-
-
-# -----------------------------------------------------------------------------------------------------------
-# Packing and unpacking one bucket (the same copies as BroadcastTransport's)
-
-
-class _Packer:
-    """Copies the source's tensors into bucket buffers; never writes to them."""
-
-    def __init__(self, tensors: list[torch.Tensor], buckets: list[Bucket]) -> None:
-        self.tensors, self.buckets = tensors, buckets
-        self.current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
-
-    def source_bytes(self, i: int) -> torch.Tensor:
-        tensor = self.tensors[i]
-        if _plain(tensor):
-            return _raw(tensor)
-        if self.current is None or self.current[0] != i:  # one copy at a time: segments come in order
-            self.current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
-        return self.current[1]
-
-    def pack(self, buf: torch.Tensor, k: int) -> None:
-        dests, srcs, others = _whole_runs(
-            buf, k, self.buckets, self.tensors, lambda i, t: t.device == buf.device
-        )
-        for seg, _ in others:
-            buf[seg.at : seg.at + seg.length].copy_(
-                self.source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
-            )
-        _copy_all(dests, srcs)
-
-
-class _Unpacker:
-    """Copies bucket buffers into the receiver's targets, in place; a target whose bytes cannot be written
-    where they are goes through one temporary at a time."""
-
-    def __init__(self, targets: list[torch.Tensor], metas: list[TensorMeta], buckets: list[Bucket]) -> None:
-        self.targets, self.metas, self.buckets = targets, metas, buckets
-        self.temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
-
-    def unpack(self, buf: torch.Tensor, k: int) -> None:
-        metas, targets = self.metas, self.targets
-        srcs, dests, others = _whole_runs(
-            buf, k, self.buckets, targets, lambda i, t: t.device == buf.device and t.dtype == metas[i].dtype
-        )
-        for seg, whole in others:
-            target = targets[seg.tensor]
-            piece = buf[seg.at : seg.at + seg.length]
-            if not whole and target.device == buf.device and _plain(target):
-                dests.append(_raw(target)[seg.offset : seg.offset + seg.length])
-                srcs.append(piece)
-                continue
-            if self.temp is None or self.temp[0] != seg.tensor:
-                meta = metas[seg.tensor]
-                tmp = torch.empty(meta.shape, dtype=meta.dtype, device=buf.device)
-                self.temp = (seg.tensor, tmp, _raw(tmp))
-            self.temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
-            if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
-                target.copy_(self.temp[1])
-                self.temp = None
-        _copy_all(dests, srcs)
+def _slot_views(segment: torch.Tensor, slots: int, slot_bytes: int) -> list[torch.Tensor]:
+    """The `slots` slots of a mapped segment as views, the same objects from one transfer to the next (the
+    kept bucket plans keep their split of a bucket for the buffer object it was made for)."""
+    found = _slot_cache.get(segment)
+    if found is not None and found[0] == (slots, slot_bytes):
+        return found[1]
+    views = [segment[n * slot_bytes : (n + 1) * slot_bytes] for n in range(slots)]
+    _slot_cache.set(segment, ((slots, slot_bytes), views))
+    return views
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -449,8 +374,9 @@ class SharedMemoryTransport:
         return self.fallback.device_for(meta, comm)
 
     @staticmethod
-    def _buckets(metas: list[TensorMeta], plan: ShmPlan) -> list[Bucket]:
-        return _buckets_for(metas, plan.bucket_bytes, plan.ramp_min)
+    def _buckets(metas: list[TensorMeta], plan: ShmPlan) -> Any:
+        """The kept bucket plan (every tensor in the ring, none direct) for the source's bucket options."""
+        return kept_plan(metas, [False] * len(metas), plan.bucket_bytes, plan.ramp_min)
 
     def send(
         self,
@@ -498,25 +424,24 @@ class SharedMemoryTransport:
         plan: ShmPlan,
         on_error: OnError,
     ) -> None:
-        buckets = self._buckets(metas, plan)
-        slots, slot = plan.slots, plan.slot_bytes
-        packer = _Packer(tensors, buckets)
+        kept = self._buckets(metas, plan)
+        buckets = kept.buckets
+        bases = _slot_views(seg.bytes, plan.slots, plan.slot_bytes)
+        packer = Packer(tensors, kept, comm.device)
         pending: deque[Any] = deque()  # the all-reduces issued and not waited for, oldest first
         waited = 0  # c_0 ... c_(waited - 1) are known complete
         failed = False
         with _quiet():
-            for k, bucket in enumerate(buckets):
+            for k in range(len(buckets)):
                 phase = f"bucket {k}"
-                while waited <= k - slots + 1:  # c_(k - slots + 1): every receiver left bucket k - slots
+                while waited <= k - plan.slots + 1:  # c_(k - slots + 1): every receiver left bucket k - slots
                     work, _, done = pending.popleft()
                     comm.wait(work, done)
                     waited += 1
-                at = (k % slots) * slot
-                buf = seg.bytes[at : at + bucket.size]
                 if not failed:
                     try:
                         fault_point(phase, comm.rank)
-                        packer.pack(buf, k)
+                        packer.pack(bases[k % len(bases)], k)
                     except Exception as exc:
                         failed = True
                         on_error(exc)
@@ -548,7 +473,8 @@ class SharedMemoryTransport:
         view: torch.Tensor | None = None
         buckets: list[Bucket] = []
         try:
-            buckets = self._buckets(metas, plan)
+            kept = self._buckets(metas, plan)
+            buckets = kept.buckets
             largest = max((b.size for b in buckets), default=0)
             if largest > plan.slot_bytes:
                 msg = f"a bucket of {largest} bytes does not fit a slot of {plan.slot_bytes} bytes"
@@ -569,23 +495,22 @@ class SharedMemoryTransport:
             self.fallback.receive(comm, src, targets, metas, plan.fallback, on_error)
             return
         assert view is not None  # the agreement needs every rank's yes
-        slots, slot = plan.slots, plan.slot_bytes
-        unpacker = _Unpacker(targets, metas, buckets)
+        bases = _slot_views(view, plan.slots, plan.slot_bytes)
+        unpacker = Unpacker(targets, metas, kept, comm.device)
         failed = False
         with _quiet():
-            for k, bucket in enumerate(buckets):
+            for k in range(len(buckets)):
                 phase = f"bucket {k}"
                 work, _, _ = _signal(comm, phase)
                 comm.wait(work, phase)  # the source packed bucket k
                 if failed:
                     continue
-                at = (k % slots) * slot
                 try:
                     fault_point(phase, comm.rank)
-                    unpacker.unpack(view[at : at + bucket.size], k)
+                    unpacker.unpack(bases[k % len(bases)], k)
                 except Exception as exc:
                     failed = True
-                    unpacker.temp = None
+                    unpacker.abandon()
                     on_error(exc)
             work, _, _ = _signal(comm, DONE_PHASE)
             comm.wait(work, DONE_PHASE)

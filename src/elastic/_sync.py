@@ -24,7 +24,8 @@ from ._layout import Layout, layout_of
 from ._lineage import Lineage, lineage, set_lineage
 from ._tenure import current, elect
 from ._timeouts import as_timedelta
-from ._transport import Transport, default_transport
+from ._transport import Transport
+from ._transports import default_transport
 from ._tree import (
     Flat,
     StateNode,

@@ -54,14 +54,15 @@ __all__ = [
     "RAMP_MIN",
     "BroadcastTransport",
     "Bucket",
+    "Packer",
+    "Unpacker",
     "Segment",
     "Transport",
     "byte_view",
     "cached_bytes",
-    "default_transport",
+    "kept_plan",
     "plan_buckets",
     "release_buffers",
-    "set_default_transport",
 ]
 
 #: Default upper bound of one coalescing bucket, in bytes.
@@ -438,7 +439,7 @@ class _Plan:
 _plans: deque[_Plan] = deque(maxlen=PLANS_KEPT)
 
 
-def _plan_for(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int, ramp_min: int) -> _Plan:
+def kept_plan(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int, ramp_min: int) -> _Plan:
     """The kept plan for this layout (compared by value: fast when the metadata are the same objects as
     last time, as a sync's cached layout makes them), or a new one."""
     config = (bucket_bytes, ramp_min)
@@ -455,6 +456,79 @@ def _plan_for(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int, ra
 def _on(tensors: list[torch.Tensor], device: torch.device) -> bool:
     """Whether every tensor is on `device`."""
     return all(t.device == device for t in tensors)
+
+
+class Packer:
+    """Copies the source's tensors into bucket buffers (never writes to the tensors).
+
+    Whole tensors on the bucket's device go through views of the bucket shaped like them, one copy per pair
+    in one call (any strides, conjugate views included); the others byte by byte."""
+
+    def __init__(self, tensors: list[torch.Tensor], kept: _Plan, device: torch.device) -> None:
+        self.tensors, self.kept = tensors, kept
+        self.uniform = _on(tensors, device)
+        self.current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
+
+    def _bytes(self, i: int) -> torch.Tensor:
+        tensor = self.tensors[i]
+        if _plain(tensor):
+            return _raw(tensor)
+        if self.current is None or self.current[0] != i:  # one copy at a time: segments come in order
+            self.current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
+        return self.current[1]
+
+    def pack(self, base: torch.Tensor, k: int) -> None:
+        """Write bucket `k` into the start of `base` (a buffer kept between calls: its split is kept)."""
+        split = self.kept.split(base, k, self.tensors, lambda i, t: t.device == base.device, self.uniform)
+        for seg, _ in split.others:
+            base[seg.at : seg.at + seg.length].copy_(
+                self._bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
+            )
+        _copy_all(split.views, [self.tensors[i] for i in split.indices])
+
+
+class Unpacker:
+    """Copies bucket buffers into the receiver's targets, in place (storage kept).
+
+    As `Packer`, the other way round: whole tensors are copied from views of the bucket shaped like them
+    (any target strides); split tensors byte by byte, through one temporary when the target's bytes are
+    not its values in order (non-contiguous, another device, a lazy conjugate)."""
+
+    def __init__(
+        self, targets: list[torch.Tensor], metas: list[TensorMeta], kept: _Plan, device: torch.device
+    ) -> None:
+        self.targets, self.metas, self.kept = targets, metas, kept
+        self.uniform = _on(targets, device) and all(t.dtype == m.dtype for t, m in zip(targets, metas))
+        self.temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
+
+    def unpack(self, base: torch.Tensor, k: int) -> None:
+        """Write bucket `k`, read from the start of `base`, into the targets."""
+        targets, metas = self.targets, self.metas
+        buf = base[: self.kept.buckets[k].size]
+        split = self.kept.split(
+            base, k, targets, lambda i, t: t.device == base.device and t.dtype == metas[i].dtype, self.uniform
+        )
+        srcs, dests = list(split.views), [targets[i] for i in split.indices]
+        for seg, whole in split.others:
+            target = targets[seg.tensor]
+            piece = buf[seg.at : seg.at + seg.length]
+            if not whole and target.device == buf.device and _plain(target):
+                dests.append(_raw(target)[seg.offset : seg.offset + seg.length])
+                srcs.append(piece)
+                continue
+            if self.temp is None or self.temp[0] != seg.tensor:
+                meta = metas[seg.tensor]
+                tmp = torch.empty(meta.shape, dtype=meta.dtype, device=buf.device)
+                self.temp = (seg.tensor, tmp, _raw(tmp))
+            self.temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
+            if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
+                target.copy_(self.temp[1])
+                self.temp = None
+        _copy_all(dests, srcs)
+
+    def abandon(self) -> None:
+        """Forget a half-written temporary (after a failure: nothing more is written)."""
+        self.temp = None
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -518,31 +592,11 @@ class BroadcastTransport:
         """
         gsrc = comm.global_rank(src)
         direct: list[bool] = plan
-        kept = _plan_for(metas, direct, self.bucket_bytes, self.ramp_min)
+        kept = kept_plan(metas, direct, self.bucket_bytes, self.ramp_min)
         buckets = kept.buckets
         depth = self.in_flight
         failed = False
-        current: tuple[int, torch.Tensor] | None = None  # the byte view of a tensor that needed a copy
-        uniform = _on(tensors, comm.device)
-
-        def source_bytes(i: int) -> torch.Tensor:
-            nonlocal current
-            tensor = tensors[i]
-            if _plain(tensor):
-                return _raw(tensor)
-            if current is None or current[0] != i:  # one copy at a time: segments come in tensor order
-                current = (i, _raw(tensor.resolve_conj().resolve_neg().contiguous()))
-            return current[1]
-
-        def pack(base: torch.Tensor, k: int) -> None:
-            # Whole tensors on the bucket's device go through views of the bucket shaped like them, one copy
-            # per pair in one call (any strides, conjugate views included); the others byte by byte.
-            split = kept.split(base, k, tensors, lambda i, t: t.device == base.device, uniform)
-            for seg, _ in split.others:
-                base[seg.at : seg.at + seg.length].copy_(
-                    source_bytes(seg.tensor)[seg.offset : seg.offset + seg.length]
-                )
-            _copy_all(split.views, [tensors[i] for i in split.indices])
+        packer = Packer(tensors, kept, comm.device)
 
         with _quiet():
             works: list[tuple[Any, str]] = []
@@ -566,7 +620,7 @@ class BroadcastTransport:
                     if not failed:
                         try:
                             fault_point(phase, comm.rank)
-                            pack(base, k)
+                            packer.pack(base, k)
                         except Exception as exc:
                             failed = True
                             on_error(exc)
@@ -596,7 +650,7 @@ class BroadcastTransport:
         """
         gsrc = comm.global_rank(src)
         direct: list[bool] = plan
-        kept = _plan_for(metas, direct, self.bucket_bytes, self.ramp_min)
+        kept = kept_plan(metas, direct, self.bucket_bytes, self.ramp_min)
         depth = self.in_flight
         failed = False
 
@@ -658,34 +712,7 @@ def _receive_buckets(
     buckets = kept.buckets
     owned = _take_buffers(comm.device, max(b.size for b in buckets), min(depth, len(buckets)))
     bufs = owned[: min(depth, len(buckets))]
-    temp: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (index, temporary, its byte view)
-    uniform = _on(targets, comm.device) and all(t.dtype == m.dtype for t, m in zip(targets, metas))
-
-    def unpack(base: torch.Tensor, k: int) -> None:
-        # As `pack`, the other way round: whole tensors are copied from views of the bucket shaped like
-        # them (any target strides); split tensors byte by byte, through one temporary when the target's
-        # bytes are not its values in order.
-        nonlocal temp
-        buf = base[: buckets[k].size]
-        split = kept.split(
-            base, k, targets, lambda i, t: t.device == base.device and t.dtype == metas[i].dtype, uniform
-        )
-        srcs, dests = list(split.views), [targets[i] for i in split.indices]
-        for seg, whole in split.others:
-            target = targets[seg.tensor]
-            piece = buf[seg.at : seg.at + seg.length]
-            if not whole and target.device == buf.device and _plain(target):
-                dests.append(_raw(target)[seg.offset : seg.offset + seg.length])
-                srcs.append(piece)
-                continue
-            if temp is None or temp[0] != seg.tensor:
-                tmp = torch.empty(metas[seg.tensor].shape, dtype=metas[seg.tensor].dtype, device=buf.device)
-                temp = (seg.tensor, tmp, _raw(tmp))
-            temp[2][seg.offset : seg.offset + seg.length].copy_(piece)
-            if seg.offset + seg.length == _nbytes(metas[seg.tensor]):
-                target.copy_(temp[1])
-                temp = None
-        _copy_all(dests, srcs)
+    unpacker = Unpacker(targets, metas, kept, comm.device)
 
     pending: deque[tuple[int, Any]] = deque()
     for k in range(len(bufs)):
@@ -698,31 +725,11 @@ def _receive_buckets(
         if not failed():
             try:
                 fault_point(phase, comm.rank)
-                unpack(buf, k)
+                unpacker.unpack(buf, k)
             except Exception as exc:
-                temp = None
+                unpacker.abandon()
                 fail(exc)
         nxt = k + len(bufs)
         if nxt < len(buckets):
             pending.append((nxt, comm.issue(f"bucket {nxt}", dist.broadcast, buf[: buckets[nxt].size], gsrc)))
     _return_buffers(comm.device, owned)
-
-
-_default: list[Transport] = [BroadcastTransport()]
-
-
-def default_transport() -> Transport:
-    """The transport `sync` uses when none is given (a `BroadcastTransport` with the defaults)."""
-    return _default[0]
-
-
-def set_default_transport(transport: Transport) -> Transport:
-    """Make `transport` the one `sync` uses when none is given; returns the previous one."""
-    if not isinstance(transport, Transport):
-        msg = (
-            f"set_default_transport() needs a Transport (plan, device_for, send, receive), got "
-            f"{type(transport).__name__} {transport!r}"
-        )
-        raise TypeError(msg) from None
-    previous, _default[0] = _default[0], transport
-    return previous
