@@ -568,8 +568,10 @@ class BroadcastTransport:
         )
 
     def plan(self, tensors: list[torch.Tensor], comm: Comm) -> list[bool]:
-        """Which of the source's tensors are broadcast on their own (`is_direct`), in order."""
-        return [self.is_direct(t, comm.device) for t in tensors]
+        """Which of the source's tensors are broadcast on their own (`is_direct`), in order (the size first:
+        most tensors are small)."""
+        least, device = self.direct_bytes, comm.device
+        return [t.numel() * t.element_size() >= least and self.is_direct(t, device) for t in tensors]
 
     def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
         """Where a receiver allocates a tensor it lacks (see `Placement.allocate_on`)."""

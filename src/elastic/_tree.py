@@ -15,12 +15,13 @@ import random
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import attrs
 import torch
 
 from ._config import config_of, is_elastic_state, saved_fields, synced_fields
+from ._statedict import canonical_state_dict, kept_walk, load_module
 
 __all__ = [
     "ContainerNode",
@@ -329,24 +330,48 @@ def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | No
 
     `state_dicts` holds module state dicts by path already taken (not taken again); the ones this walk takes
     are added to it."""
-    tensors: list[torch.Tensor] = []
-    paths: list[Path] = []
-    originals: list[torch.Tensor] = []
-    grads: list[bool] = []
+    leaf = _Collector()
+    sds: dict[Path, Any] = {} if state_dicts is None else state_dicts
+    skeleton = _walk_state(state, (), which, leaf, sds)
+    return Flat(
+        skeleton=skeleton,
+        tensors=leaf.tensors,
+        paths=leaf.paths,
+        originals=leaf.originals,
+        grads=leaf.grads,
+        sds=sds,
+    )
 
-    def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:  # per tensor per sync: kept lean
+
+class _Collector:
+    """`flatten`'s leaf: records each tensor (detached), its path, the tensor itself and `requires_grad`."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[Path] = []
+        self.originals: list[torch.Tensor] = []
+        self.grads: list[bool] = []
+
+    def __call__(self, tensor: torch.Tensor, path: Path) -> TensorSlot:  # per tensor per sync: kept lean
         grad = tensor.requires_grad
         t = tensor.detach() if grad or type(tensor) is not torch.Tensor else tensor  # state dicts: detached
         check_tensor(t, path)
-        tensors.append(t)
-        paths.append(path)
-        originals.append(tensor)
-        grads.append(grad)
-        return _slot(len(tensors) - 1)
+        self.tensors.append(t)
+        self.paths.append(path)
+        self.originals.append(tensor)
+        self.grads.append(grad)
+        return _slot(len(self.tensors) - 1)
 
-    sds: dict[Path, Any] = {} if state_dicts is None else state_dicts
-    skeleton = _walk_state(state, (), which, leaf, sds)
-    return Flat(skeleton=skeleton, tensors=tensors, paths=paths, originals=originals, grads=grads, sds=sds)
+    def many(self, tensors: list[torch.Tensor], paths: list[Path]) -> tuple[TensorSlot, ...]:
+        """Detached tensors of a state dict (no `requires_grad`), at once."""
+        for t, path in zip(tensors, paths):
+            check_tensor(t, path)
+        start = len(self.tensors)
+        self.tensors.extend(tensors)
+        self.paths.extend(paths)
+        self.originals.extend(tensors)
+        self.grads.extend([False] * len(tensors))
+        return _slots(start, len(tensors))
 
 
 _SLOTS: list[TensorSlot] = []
@@ -357,6 +382,13 @@ def _slot(i: int) -> TensorSlot:
     if i >= len(_SLOTS):
         _SLOTS.extend(TensorSlot(k) for k in range(len(_SLOTS), 2 * i + 64))
     return _SLOTS[i]
+
+
+def _slots(start: int, n: int) -> tuple[TensorSlot, ...]:
+    """`_slot(i)` for ``start <= i < start + n``."""
+    if n:
+        _slot(start + n - 1)
+    return tuple(_SLOTS[start : start + n])
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -468,18 +500,32 @@ def carriers(metas: list[TensorMeta]) -> list[int]:
 
 def tensor_index(state: Any, which: Which = "sync") -> dict[Path, torch.Tensor]:
     """The tensors a state holds, by path: where a receiver writes in place."""
-    found: dict[Path, torch.Tensor] = {}
+    leaf = _Finder()
+    _walk_state(state, (), which, leaf)
+    return leaf.found
 
-    def leaf(tensor: torch.Tensor, path: Path) -> TensorSlot:
+
+class _Finder:
+    """`tensor_index`'s leaf: each tensor object by path (written in place, it keeps its identity)."""
+
+    def __init__(self) -> None:
+        self.found: dict[Path, torch.Tensor] = {}
+
+    def __call__(self, tensor: torch.Tensor, path: Path) -> TensorSlot:
         check_tensor(tensor, path)
-        found[path] = tensor  # the object itself: written in place, it keeps its identity
+        self.found[path] = tensor
         return TensorSlot(-1)
 
-    _walk_state(state, (), which, leaf)
-    return found
+    def many(self, tensors: list[torch.Tensor], paths: list[Path]) -> tuple[TensorSlot, ...]:
+        return tuple(self(t, p) for t, p in zip(tensors, paths))
 
 
-Leaf = Callable[[torch.Tensor, Path], TensorSlot]
+class Leaf(Protocol):
+    """What a walk calls for every tensor it meets (`many`: for a module's state dict at once)."""
+
+    def __call__(self, tensor: torch.Tensor, path: Path) -> TensorSlot: ...
+
+    def many(self, tensors: list[torch.Tensor], paths: list[Path]) -> tuple[TensorSlot, ...]: ...
 
 
 def _walk_state(
@@ -496,6 +542,14 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any]
     kind = kind_of(value)
     if kind == "tensor":
         return leaf(value, path)
+    if kind == "module" and not (sds is not None and path in sds):
+        walk = kept_walk(value)
+        if walk is not None:  # a plain module tree, unchanged since the last walk
+            tensors = walk.tensors()
+            if sds is not None:
+                sds[path] = OrderedDict(zip(walk.keys, tensors))
+            inner = ContainerNode("dict", OrderedDict, walk.keys, leaf.many(tensors, walk.paths(path)))
+            return StatefulNode(kind=kind, inner=inner, type_name=type(value).__qualname__)
     if kind in ("module", "optimizer", "stateful"):
         try:
             if kind != "module":
@@ -617,41 +671,6 @@ def _new_rng(node: RestoreNode) -> Any:
     return np.random.Generator(getattr(np.random, name)())
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside `DistributedDataParallel` / `DataParallel` / `torch.compile` wrappers."""
-    while True:
-        inner = module.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
-        if isinstance(inner, torch.nn.Module):
-            module = inner
-        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            module = module.module
-        else:
-            return module
-
-
-def _canonical(key: str) -> str:
-    return ".".join(part for part in key.split(".") if part != "_orig_mod")
-
-
-def canonical_state_dict(module: torch.nn.Module) -> dict[str, Any]:
-    """`module.state_dict()` with the names an unwrapped model has (no `module.` / `_orig_mod.`), as torch's
-    `get_model_state_dict` names them."""
-    sd = unwrap(module).state_dict()
-    if any("_orig_mod." in k for k in sd):  # a compiled submodule
-        return OrderedDict((_canonical(k), v) for k, v in sd.items())
-    return sd
-
-
-def _load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
-    """`load_state_dict` of canonical names into a module that may be wrapped or hold compiled parts."""
-    inner = unwrap(module)
-    own = list(inner.state_dict(keep_vars=True).keys())
-    if any("_orig_mod." in k for k in own):
-        names = {_canonical(k): k for k in own}
-        sd = OrderedDict((names.get(k, k), v) for k, v in sd.items())
-    inner.load_state_dict(sd)
-
-
 _ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
@@ -712,7 +731,7 @@ def materialize(
             return current  # every parameter and buffer was written in place
         sd = materialize(node.inner, None, tensors, in_place, path)
         if node.kind == "module":
-            _load_module(current, sd)
+            load_module(current, sd)
         else:
             current.load_state_dict(sd)
         return current

@@ -1,0 +1,207 @@
+"""Module state dicts under the names an unwrapped model has, and a kept walk of plain module trees.
+
+`canonical_state_dict` is ``module.state_dict()`` without wrapper prefixes (`module.` of DDP,
+`_orig_mod.` of ``torch.compile``), as torch's ``get_model_state_dict`` names them. A sync takes it once per
+module per sync; for a model of a thousand submodules that is ~4 ms warm and ~9 ms right after a transfer
+has evicted the module objects from the caches, on every rank.
+
+Most models use torch's own state-dict machinery unchanged: no module overrides ``state_dict``,
+``_save_to_state_dict`` or ``get_extra_state``, and none has state-dict hooks. For such a *plain* tree the
+state dict is a function of each module's ``_parameters``, ``_buffers``, ``_modules`` and non-persistent
+buffer names alone, so `kept_walk` keeps the names and tensor objects it found, with a snapshot of those
+dicts (names and object identities), and hands them out again while the snapshot still holds: checking it
+costs a third of taking the state dict. Any change (a replaced or added parameter, buffer or submodule, a
+buffer made non-persistent, a hook, a changed class) fails the check and the tree is walked again; the
+tensors are detached afresh each time, so a parameter whose ``.data`` was replaced is seen as it is now.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import attrs
+import torch
+
+from ._weakmap import IdentityWeakMap
+
+__all__ = ["ModuleWalk", "canonical_state_dict", "kept_walk", "load_module", "unwrap"]
+
+Path = tuple[Any, ...]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside `DistributedDataParallel` / `DataParallel` / `torch.compile` wrappers."""
+    while True:
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
+        if isinstance(inner, torch.nn.Module):
+            module = inner
+        elif isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+        else:
+            return module
+
+
+def _canonical(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
+def canonical_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """`module.state_dict()` with the names an unwrapped model has (no `module.` / `_orig_mod.`), as torch's
+    `get_model_state_dict` names them."""
+    sd = unwrap(module).state_dict()
+    if any("_orig_mod." in k for k in sd):  # a compiled submodule
+        return OrderedDict((_canonical(k), v) for k, v in sd.items())
+    return sd
+
+
+def load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
+    """`load_state_dict` of canonical names into a module that may be wrapped or hold compiled parts."""
+    inner = unwrap(module)
+    own = list(inner.state_dict(keep_vars=True).keys())
+    if any("_orig_mod." in k for k in own):
+        names = {_canonical(k): k for k in own}
+        sd = OrderedDict((names.get(k, k), v) for k, v in sd.items())
+    inner.load_state_dict(sd)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The kept walk of plain trees
+
+_Module = torch.nn.Module
+_plain_classes: dict[type, bool] = {}
+
+
+def _plain_class(cls: type) -> bool:
+    """Whether `cls` takes its state dict with torch's own machinery (no override of the three methods)."""
+    found = _plain_classes.get(cls)
+    if found is None:
+        found = _plain_classes[cls] = (
+            getattr(cls, "state_dict", None) is _Module.state_dict
+            and getattr(cls, "_save_to_state_dict", None) is _Module._save_to_state_dict
+            and getattr(cls, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state
+        )
+    return found
+
+
+@attrs.frozen
+class _Entry:
+    """One module of the tree as the snapshot saw it: its class and, per dict, the names and the identities
+    of the values (the values themselves are held, so that an identity cannot be reused meanwhile)."""
+
+    ref: Any  # weakref.ref to the module (the tree's root is the key of the kept walks: never held)
+    cls: Any
+    names: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+    ids: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    held: tuple[Any, ...]
+    non_persistent: frozenset[str]
+
+
+def _dicts(m: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    return m._parameters, m._buffers, m._modules
+
+
+def _hooked(m: torch.nn.Module) -> bool:
+    return bool(m._state_dict_hooks) or bool(m._state_dict_pre_hooks)
+
+
+@attrs.define(eq=False)
+class ModuleWalk:
+    """A plain module tree's state-dict names (canonical) and tensor objects, in state-dict order, and the
+    snapshot that says whether they still are what ``state_dict()`` would give."""
+
+    keys: tuple[str, ...]
+    objects: tuple[torch.Tensor, ...]
+    entries: tuple[_Entry, ...]
+    _paths: dict[Path, list[Path]] = attrs.Factory(dict)
+
+    def valid(self) -> bool:
+        """Whether every module of the tree still has the same class, parameters, buffers, children and
+        non-persistent buffers, and no state-dict hook."""
+        for e in self.entries:
+            m: Any = e.ref()
+            if m is None or type(m) is not e.cls or _hooked(m):
+                return False
+            for d, names, ids in zip(_dicts(m), e.names, e.ids):
+                if tuple(d) != names or tuple(map(id, d.values())) != ids:
+                    return False
+            if m._non_persistent_buffers_set != e.non_persistent:
+                return False
+        return True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The state dict's values as ``state_dict()`` gives them: detached from autograd, as they are now."""
+        return [t.detach() for t in self.objects]
+
+    def paths(self, prefix: Path) -> list[Path]:
+        """The state paths of the tensors below `prefix` (kept: the same list every time)."""
+        found = self._paths.get(prefix)
+        if found is None:
+            found = self._paths[prefix] = [(*prefix, k) for k in self.keys]
+        return found
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _snapshot(root: torch.nn.Module) -> ModuleWalk | None:
+    """The walk of `root`'s tree as ``state_dict()`` takes it, or None when some module is not plain."""
+    keys: list[str] = []
+    objects: list[torch.Tensor] = []
+    entries: list[_Entry] = []
+
+    def visit(m: torch.nn.Module, prefix: str) -> None:
+        cls = type(m)
+        if not _plain_class(cls) or _hooked(m):
+            raise _NotPlain
+        dicts = _dicts(m)
+        held = tuple(tuple(d.values()) for d in dicts)
+        non_persistent = frozenset(m._non_persistent_buffers_set)
+        entries.append(
+            _Entry(
+                weakref.ref(m),
+                cls,
+                tuple(tuple(d) for d in dicts),  # type: ignore[arg-type]
+                tuple(tuple(map(id, vs)) for vs in held),  # type: ignore[arg-type]
+                held,
+                non_persistent,
+            )
+        )
+        params, buffers, children = dicts
+        for name, p in params.items():
+            if p is not None:
+                keys.append(prefix + name)
+                objects.append(p)
+        for name, b in buffers.items():
+            if b is not None and name not in non_persistent:
+                keys.append(prefix + name)
+                objects.append(b)
+        for name, child in children.items():
+            if child is not None:
+                visit(child, prefix + name + ".")
+
+    try:
+        visit(root, "")
+    except _NotPlain:
+        return None
+    return ModuleWalk(tuple(_canonical(k) for k in keys), tuple(objects), tuple(entries))
+
+
+_walks: IdentityWeakMap[ModuleWalk] = IdentityWeakMap()
+
+
+def kept_walk(module: torch.nn.Module) -> ModuleWalk | None:
+    """The kept walk of `module`'s (unwrapped) tree while it holds, else a new one (kept for next time);
+    None for a tree that is not plain (then take `canonical_state_dict`)."""
+    root = unwrap(module)
+    walk = _walks.get(root)
+    if walk is not None and walk.valid():
+        return walk
+    walk = _snapshot(root)
+    if walk is None:
+        _walks.pop(root)
+        return None
+    _walks.set(root, walk)
+    return walk
