@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import attrs
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_sync import ModuleState, free_port, layers_for  # the same state as bench_sync's module case
 
 import elastic
 from elastic import _transports
@@ -40,22 +39,6 @@ from elastic._transport import BroadcastTransport, Transport
 from elastic._tree import TensorMeta
 
 MiB = 2**20
-
-
-@elastic.elastic_state(tenure="step")
-@attrs.define
-class ModuleState:
-    step: int
-    model: torch.nn.Module
-
-
-def layers_for(total_bytes: int, count: int) -> int:
-    """The width `k` of `count // 2` fp32 `Linear(k, k)` layers holding at least `total_bytes`."""
-    per_layer = -(-total_bytes // 4 // (count // 2))
-    k = 1
-    while k * k + k < per_layer:
-        k += 1
-    return k
 
 
 def label(key: str) -> str:
@@ -193,12 +176,6 @@ def report(
         alone = statistics.median(times[key]) / statistics.median(times["broadcast"])
         sync = statistics.median(times[f"sync_shm {tag}"]) / statistics.median(times["sync_broadcast"])
         print(f"shared memory ({tag}) / broadcast: transport alone {alone:.2f}x, inside sync {sync:.2f}x")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

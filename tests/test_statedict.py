@@ -1,4 +1,4 @@
-"""The kept walk of plain module trees: the same names and tensors as `state_dict()`, and every change seen."""
+"""The kept walk of plain module trees: what `state_dict()` gives, and every change to the tree seen."""
 
 from __future__ import annotations
 

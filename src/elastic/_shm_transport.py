@@ -320,6 +320,17 @@ def _agree(comm: Comm, ok: bool) -> bool:
     return int(flag.item()) == 1
 
 
+_RING = object()
+
+
+def _fallback_alone(plan: Any) -> Any:
+    """The fallback's plan when a transfer takes the fallback alone (a plan of the fallback's own transport,
+    as a source without shared memory makes, or one without a segment), else `_RING`."""
+    if not isinstance(plan, ShmPlan):
+        return plan
+    return plan.fallback if plan.segment is None else _RING
+
+
 #: Name of the all-reduce after the last bucket (the buckets' own are "bucket k").
 DONE_PHASE = "buckets done"
 
@@ -391,11 +402,9 @@ class SharedMemoryTransport:
         else the fallback's `send`. A local failure while packing goes to `on_error` and every all-reduce
         still runs; a communication failure raises `SyncError` (and the segment is dropped, since a
         receiver of the broken transfer may still read it)."""
-        if not isinstance(plan, ShmPlan):  # a source with the fallback's own transport planned it
-            self.fallback.send(comm, src, tensors, metas, plan, on_error)
-            return
-        if plan.segment is None:
-            self.fallback.send(comm, src, tensors, metas, plan.fallback, on_error)
+        alone = _fallback_alone(plan)
+        if alone is not _RING:
+            self.fallback.send(comm, src, tensors, metas, alone, on_error)
             return
         seg = _take(plan.segment.token)
         if not _agree(comm, seg is not None):
@@ -464,11 +473,9 @@ class SharedMemoryTransport:
         the shared ring when every receiver mapped it, else by the fallback's `receive`. A local failure
         while writing goes to `on_error` and the transfer goes on without writing; a communication
         failure raises `SyncError`."""
-        if not isinstance(plan, ShmPlan):  # a source with the fallback's own transport planned it
-            self.fallback.receive(comm, src, targets, metas, plan, on_error)
-            return
-        if plan.segment is None:
-            self.fallback.receive(comm, src, targets, metas, plan.fallback, on_error)
+        alone = _fallback_alone(plan)
+        if alone is not _RING:
+            self.fallback.receive(comm, src, targets, metas, alone, on_error)
             return
         view: torch.Tensor | None = None
         buckets: list[Bucket] = []
