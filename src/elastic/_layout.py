@@ -2,14 +2,15 @@
 
 Every sync walks the state (`_tree.flatten`): that is how it finds the tensors, and a sync must see a
 replaced parameter or a new optimizer state at once. What it then derives from those tensors (their
-metadata with the aliases among them, a digest of that metadata, each module's layout digest for the
-schema) depends only on `Flat.signature()`: where each tensor sits, its shape, strides, dtype, device and
+metadata with the aliases among them, a digest of that metadata, the metadata encoded for the payload)
+depends only on `Flat.signature()`: where each tensor sits, its shape, strides, dtype, device and
 `requires_grad`. A state that syncs every few steps keeps the same signature, so the derived values are
 kept per state (by identity, dropped with the state) and reused while the signature is equal, and
 transports can recognise the metadata lists they saw before by identity.
 
-The metadata digest is the same on every rank whose tensors sit alike: when every receiver reports the
-source's digest, the source sends no metadata and each receiver writes into its own tensors, in order.
+The metadata digest is the same on every rank whose tensors sit alike: a receiver whose digest is the one
+the source sends neither decodes the source's metadata nor places its tensors, it writes into its own
+tensors, in order.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import hashlib
 from typing import Any
 
 import attrs
+import cloudpickle
 
-from ._tree import Flat, Path, TensorMeta, carriers, layout_digest
+from ._tree import Flat, TensorMeta, carriers
 from ._weakmap import IdentityWeakMap
 
-__all__ = ["Layout", "layout_of"]
+__all__ = ["Layout", "decode_metas", "encode_metas", "layout_of"]
 
 
 @attrs.define(eq=False)
@@ -36,14 +38,25 @@ class Layout:
     moving_metas: list[TensorMeta]
     #: a digest of `metas`: equal on ranks whose tensors sit alike
     digest: str
-    module_digests: dict[Path, str] = attrs.Factory(dict)
+    _encoded: bytes | None = None
 
-    def module_digest(self, path: Path, sd: dict[str, Any]) -> str:
-        """The layout digest of the module at `path` (whose state dict is `sd`), kept with the layout."""
-        found = self.module_digests.get(path)
-        if found is None:
-            found = self.module_digests[path] = layout_digest(path, sd)
-        return found
+    def encoded(self) -> bytes:
+        """`metas` as the sync payload carries them (`encode_metas`), encoded once per layout."""
+        if self._encoded is None:
+            self._encoded = encode_metas(self.metas)
+        return self._encoded
+
+
+def encode_metas(metas: list[TensorMeta]) -> bytes:
+    """Tensor metadata as columns of plain values, pickled (~20x faster than one object per tensor)."""
+    columns = tuple(tuple(column) for column in zip(*metas)) if metas else ()
+    return cloudpickle.dumps(columns)
+
+
+def decode_metas(data: bytes) -> list[TensorMeta]:
+    """The inverse of `encode_metas`."""
+    columns = cloudpickle.loads(data)
+    return [TensorMeta(*row) for row in zip(*columns)] if columns else []
 
 
 def metas_digest(metas: list[TensorMeta]) -> str:

@@ -115,6 +115,8 @@ class ModuleWalk:
     objects: tuple[torch.Tensor, ...]
     entries: tuple[_Entry, ...]
     _paths: dict[Path, list[Path]] = attrs.Factory(dict)
+    #: values derived from the walk by its users, kept with it (the schema's layout digest)
+    memo: dict[str, Any] = attrs.Factory(dict)
 
     def valid(self) -> bool:
         """Whether every module of the tree still has the same class, parameters, buffers, children and

@@ -20,7 +20,7 @@ from ._collective import Collective, raise_first
 from ._comm import Comm, fault_point, ranks_str
 from ._config import StateConfig, config_of
 from ._errors import StateMismatchError, SyncError, TenureError
-from ._layout import Layout, layout_of
+from ._layout import Layout, decode_metas, layout_of
 from ._lineage import Lineage, lineage, set_lineage
 from ._tenure import current, elect
 from ._timeouts import as_timedelta
@@ -84,7 +84,6 @@ class Record:
     schema: Any = None
     src: int | None = None
     error: tuple[str, str] | None = None  # (kind, message)
-    layout: str | None = None  # the digest of this rank's tensor metadata (`Layout.digest`)
 
 
 def _local_record(
@@ -95,31 +94,26 @@ def _local_record(
 
 def _scan(
     state: Any, config: StateConfig, line: Lineage, src: int | None, with_schema: bool
-) -> tuple[Record, Flat | None, Layout | None]:
-    """This rank's election record and, with the schema, the walk of its state and that walk's layout: a
-    sync that moves the state uses them (one `state_dict()` per module per sync, metadata kept between
-    syncs while the tensors keep their layout)."""
+) -> tuple[Record, dict[Any, Any]]:
+    """This rank's election record and, with the schema, what it took from the modules (kept walks or
+    state dicts, by path): a sync that moves the state flattens it with them (one look at each module per
+    sync), one with nothing to move never flattens."""
+    sds: dict[Any, Any] = {}
     try:
         value = current(state, config, line)
     except Exception as exc:
-        msg = f"tenure function raised {type(exc).__name__}: {exc}"
-        return Record(error=("tenure", msg), src=src), None, None
-    schema = flat = layout = None
+        return Record(error=("tenure", f"tenure function raised {type(exc).__name__}: {exc}"), src=src), sds
+    schema = None
     if with_schema:
         try:
-            flat = flatten(state, "sync")
-            layout = layout_of(state, flat)
-            schema = schema_digests(state, flat.sds, layout.module_digest)
+            schema = schema_digests(state, sds)
         except Exception as exc:
-            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), None, None
+            return Record(error=("prepare", f"{type(exc).__name__}: {exc}"), src=src), sds
     try:
         cloudpickle.dumps(value)
     except Exception as exc:
-        msg = f"tenure value {value!r} cannot be pickled: {exc}"
-        return Record(error=("tenure", msg), src=src), None, None
-    digest = layout.digest if layout is not None else None
-    record = Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src, layout=digest)
-    return record, flat, layout
+        return Record(error=("tenure", f"tenure value {value!r} cannot be pickled: {exc}"), src=src), sds
+    return Record(tenure=value, torn=line.torn, token=line.token, schema=schema, src=src), sds
 
 
 def _record_failure(op: str) -> Callable[[int, tuple[str, str]], Exception]:
@@ -255,34 +249,28 @@ class Payload:
     (into scratch tensors, its state untouched) and reports the failure at commit."""
 
     skeleton: StateNode | None
-    metas: list[TensorMeta]
+    metas: list[TensorMeta] | None  # decoded from `encoded` on first use on a receiver
     plan: Any  # the transport's plan for the carriers (BroadcastTransport: which go direct)
     token: str | None
     torn: bool
     tenure: Any
     error: str | None = None
     packed: bytes | None = None  # the pickled skeleton, on a receiver
-    #: every rank's tensor metadata equal the source's: `metas` is empty, receivers use their own
-    alike: bool = False
+    #: the digest of the source's metadata (`Layout.digest`): a receiver whose own is equal uses its own
+    layout: str | None = None
+    encoded: bytes | None = None  # the metadata as `encode_metas` gives them (kept with the layout)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Metadata as columns of plain values: pickles ~20x faster than one object per tensor.
-        m = self.metas
-        columns = (
-            tuple(x.path for x in m),
-            tuple(x.shape for x in m),
-            tuple(x.dtype for x in m),
-            tuple(x.device_type for x in m),
-            tuple(x.stride for x in m),
-            tuple(x.requires_grad for x in m),
-            tuple(x.alias for x in m),
-            tuple(x.offset for x in m),
-        )
         packed = self.packed if self.skeleton is None else _pickle_skeleton(self.skeleton)
-        return (
-            _payload,
-            (packed, columns, self.plan, self.token, self.torn, self.tenure, self.error, self.alike),
-        )
+        fields = (self.plan, self.token, self.torn, self.tenure, self.error, self.layout)
+        return (_payload, (packed, self.encoded, *fields))
+
+    def metas_here(self) -> list[TensorMeta]:
+        """The source's metadata, decoded on first use on a receiver (one that holds the same needs none)."""
+        if self.metas is None:
+            object.__setattr__(self, "metas", decode_metas(self.encoded) if self.encoded else [])
+        assert self.metas is not None
+        return self.metas
 
     def skeleton_here(self) -> StateNode:
         """The skeleton, unpickled on first use on a receiver (where user classes may fail to load)."""
@@ -311,10 +299,9 @@ def _pickle_skeleton(skeleton: StateNode) -> bytes:
 
 
 def _payload(
-    packed: Any, columns: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any, alike: Any
+    packed: Any, encoded: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any, layout: Any
 ) -> Payload:
-    metas = [TensorMeta(*row) for row in zip(*columns)] if columns[0] else []
-    return Payload(None, metas, plan, token, torn, tenure, error, packed, alike)
+    return Payload(None, None, plan, token, torn, tenure, error, packed, layout, encoded)
 
 
 def _failed_payload(msg: str) -> bytes:
@@ -441,7 +428,7 @@ def _sync_in(
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
         return report
-    mine, flat, layout = _scan(state, config, line, src, with_schema=True)
+    mine, sds = _scan(state, config, line, src, with_schema=True)
     records = _elect_records(group, mine, op)
     given = _check_src(records, group.world, op)
     _check_schemas(group, records, state, op)
@@ -460,10 +447,7 @@ def _sync_in(
         log.debug("%s: replicas already identical (tenure %r, lineage %s)", op, tenures[0], records[0].token)
     else:
         chosen = transport if transport is not None else default_transport()
-        assert flat is not None and layout is not None  # a record without an error comes with its walk
-        alike = all(rec.layout == records[source].layout for rec in records)
-        walk = _Walk(flat, layout, alike)
-        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, walk)
+        report = _transfer(state, group, source, records[source].tenure, line, chosen, op, started, sds)
     _finish(state, config, report, op, notify)
     return report
 
@@ -508,16 +492,6 @@ class _Failures:
         return self.messages[0] if self.messages else None
 
 
-@attrs.frozen
-class _Walk:
-    """This rank's walk of its state for a transfer, its layout, and whether every rank's tensor metadata
-    equal the source's (`alike`: then no metadata travel and every receiver writes into its own tensors)."""
-
-    flat: Flat
-    layout: Layout
-    alike: bool
-
-
 def _transfer(
     state: Any,
     group: Collective,
@@ -527,73 +501,89 @@ def _transfer(
     transport: Transport,
     op: str,
     started: float,
-    walk: _Walk,
+    sds: dict[Any, Any],
 ) -> SyncReport:
     """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
 
-    The election's walk of the state gives the source its tensors and a receiver its in-place targets.
-    Tensors that share storage with another (tied weights, views) travel once, inside their carrier, and
-    are rebuilt as views on the receivers."""
+    One walk of the state (with what the election took from the modules, `sds`) gives the source its
+    tensors and a receiver its in-place targets; its layout (`_layout`) is kept between syncs. Tensors
+    that share storage with another (tied weights, views) travel once, inside their carrier, and are
+    rebuilt as views on the receivers."""
     comm = group.comm
     assert comm is not None  # a transfer needs a group
     failures = _Failures()
+    own: tuple[Flat, Layout] | BaseException
     if comm.rank == src:
-        data, built = _pack_objects(walk, comm, src, src_tenure, line, transport)
+        own, data, built = _pack_objects(state, sds, comm, src, src_tenure, line, transport)
     else:
         data, built = None, None
+        try:  # walk our own tree while the source walks and pickles
+            flat = flatten(state, "sync", sds)
+            own = (flat, layout_of(state, flat))
+        except Exception as exc:
+            own = exc
     payload, object_bytes = _exchange_objects(comm, src, data, built, op)
-    if payload.alike or comm.rank == src:  # this rank's own metadata are the source's
-        metas, moving, sent_metas = walk.layout.metas, walk.layout.moving, walk.layout.moving_metas
-    else:
-        metas = payload.metas
-        moving = carriers(metas)
-        sent_metas = [metas[i] for i in moving]
     if comm.rank == src:
-        sent = [walk.flat.tensors[i] for i in moving]
-        transport.send(comm, src, sent, sent_metas, payload.plan, failures.add)
+        assert not isinstance(own, BaseException)  # a source that cannot walk sends its error instead
+        flat, layout = own
+        sent = [flat.tensors[i] for i in layout.moving]
+        transport.send(comm, src, sent, layout.moving_metas, payload.plan, failures.add)
+        moved = layout.moving_metas
     else:
-        _receive(state, comm, src, payload, walk, metas, moving, sent_metas, transport, failures)
+        moved = _receive(state, comm, src, payload, own, transport, failures)
     _commit(group, src, failures, op)
     set_lineage(state, token=payload.token, torn=payload.torn)
     return SyncReport(
         src=src,
         tenure=payload.tenure,
         world_size=comm.world_size,
-        tensor_bytes=sum(m.nbytes for m in sent_metas),
+        tensor_bytes=sum(m.nbytes for m in moved),
         object_bytes=object_bytes,
         seconds=time.perf_counter() - started,
     )
 
 
 def _pack_objects(
-    walk: _Walk,
+    state: Any,
+    sds: dict[Any, Any],
     comm: Comm,
     src: int,
     src_tenure: Any,
     line: Lineage,
     transport: Transport,
-) -> tuple[bytes, Payload | None]:
-    """The source's objects: the skeleton, tensor metadata (none when every rank's are alike), the
+) -> tuple[tuple[Flat, Layout] | BaseException, bytes, Payload | None]:
+    """The source's walk and objects: the skeleton, tensor metadata (encoded once per layout), the
     transport's plan and the new lineage, in one cloudpickle payload (or one that carries the source's
     error)."""
-    flat, layout = walk.flat, walk.layout
     try:
         fault_point("flatten", comm.rank)
+        flat = flatten(state, "sync", sds)
+        layout = layout_of(state, flat)
         plan = transport.plan([flat.tensors[i] for i in layout.moving], comm)
         token = None if line.torn else uuid.uuid4().hex
-        metas = [] if walk.alike else layout.metas
-        payload = Payload(flat.skeleton, metas, plan, token, line.torn, src_tenure, alike=walk.alike)
+        payload = Payload(
+            flat.skeleton,
+            layout.metas,
+            plan,
+            token,
+            line.torn,
+            src_tenure,
+            None,
+            None,
+            layout.digest,
+            layout.encoded(),
+        )
     except Exception as exc:
         msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"
-        return _failed_payload(msg), None
+        return exc, _failed_payload(msg), None
     try:
-        return cloudpickle.dumps(payload), payload
-    except Exception:
+        return (flat, layout), cloudpickle.dumps(payload), payload
+    except Exception as exc:
         msg = (
             f"rank {src} cannot pickle {_unpicklable_fields(flat.skeleton)}; make the value "
             "picklable or mark the field elastic.local()"
         )
-        return _failed_payload(msg), None
+        return exc, _failed_payload(msg), None
 
 
 def _exchange_objects(
@@ -612,28 +602,38 @@ def _receive(
     comm: Comm,
     src: int,
     payload: Payload,
-    walk: _Walk,
-    metas: list[TensorMeta],
-    moving: list[int],
-    sent_metas: list[TensorMeta],
+    own: tuple[Flat, Layout] | BaseException,
     transport: Transport,
     failures: _Failures,
-) -> None:
-    """A receiver's tensors: into its own tensors when its metadata equal the source's, else in place where
-    it has a matching tensor and allocated from the metadata otherwise; then the fields applied. Torn from
-    the first byte written into its own state until commit.
+) -> list[TensorMeta]:
+    """A receiver's tensors: into its own tensors, in order, when its metadata equal the source's (the same
+    layout digest), else in place where it has a matching tensor and allocated from the source's metadata
+    otherwise; then the fields applied. Torn from the first byte written into its own state until commit.
+    Returns the metadata of the tensors that moved.
 
-    A receiver that cannot decode the skeleton or place the tensors still takes part in every collective,
-    receiving into scratch tensors (its state untouched, so not torn), and reports the failure at commit:
-    every rank raises the same `SyncError` then, and the group's collectives stay in step."""
+    A receiver that cannot walk its state, decode the skeleton or place the tensors still takes part in
+    every collective, receiving into scratch tensors (its state untouched, so not torn), and reports the
+    failure at commit: every rank raises the same `SyncError` then, and the group's collectives stay in
+    step."""
+    alike = not isinstance(own, BaseException) and payload.layout == own[1].digest
+    if alike:
+        assert not isinstance(own, BaseException)
+        metas, moving, moved = own[1].metas, own[1].moving, own[1].moving_metas
+    else:
+        metas = payload.metas_here()
+        moving = carriers(metas)
+        moved = [metas[i] for i in moving]
     try:
         fault_point("decode", comm.rank)
+        if isinstance(own, BaseException):
+            raise own
+        flat = own[0]
         skeleton = payload.skeleton_here()
-        if payload.alike:
-            targets, in_place = list(walk.flat.originals), [True] * len(metas)
+        if alike:
+            targets, in_place = list(flat.originals), [True] * len(metas)
         else:
             targets, in_place = receive_targets(
-                state, metas, "sync", lambda m: transport.device_for(m, comm), index=walk.flat.index()
+                state, metas, "sync", lambda m: transport.device_for(m, comm), index=flat.index()
             )
     except Exception as exc:
         failures.add(exc)
@@ -642,9 +642,9 @@ def _receive(
         in_place = [False] * len(targets)
     if any(in_place[i] for i in moving):
         set_lineage(state, token=None, torn=True)
-    transport.receive(comm, src, [targets[i] for i in moving], sent_metas, payload.plan, failures.add)
+    transport.receive(comm, src, [targets[i] for i in moving], moved, payload.plan, failures.add)
     if failures.first is not None or skeleton is None:
-        return
+        return moved
     set_lineage(state, token=None, torn=True)  # applying writes the state's fields
     try:
         fault_point("apply", comm.rank)
@@ -653,6 +653,7 @@ def _receive(
             apply_fields(state, skeleton, targets, in_place)
     except Exception as exc:
         failures.add(exc)
+    return moved
 
 
 def _commit(group: Collective, src: int, failures: _Failures, op: str) -> None:

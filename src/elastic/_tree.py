@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from ._config import config_of, is_elastic_state, saved_fields, synced_fields
-from ._statedict import canonical_state_dict, kept_walk, load_module
+from ._statedict import ModuleWalk, canonical_state_dict, kept_walk, load_module
 
 __all__ = [
     "ContainerNode",
@@ -542,24 +542,21 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any]
     kind = kind_of(value)
     if kind == "tensor":
         return leaf(value, path)
-    if kind == "module" and not (sds is not None and path in sds):
-        walk = kept_walk(value)
-        if walk is not None:  # a plain module tree, unchanged since the last walk
-            tensors = walk.tensors()
-            if sds is not None:
-                sds[path] = OrderedDict(zip(walk.keys, tensors))
-            inner = ContainerNode("dict", OrderedDict, walk.keys, leaf.many(tensors, walk.paths(path)))
+    if kind == "module":
+        found = sds.get(path) if sds is not None else None
+        if found is None:
+            found = module_state(value, path)
+            if sds is not None:  # the caller keeps what the walk took (for the schema)
+                sds[path] = found
+        if isinstance(found, ModuleWalk):  # a plain module tree: its tensors at once
+            tensors = found.tensors()
+            inner = ContainerNode("dict", OrderedDict, found.keys, leaf.many(tensors, found.paths(path)))
             return StatefulNode(kind=kind, inner=inner, type_name=type(value).__qualname__)
-    if kind in ("module", "optimizer", "stateful"):
+        inner = _walk(found, path, which, leaf)
+        return StatefulNode(kind=kind, inner=inner, type_name=type(value).__qualname__)
+    if kind in ("optimizer", "stateful"):
         try:
-            if kind != "module":
-                sd = value.state_dict()
-            elif sds is not None and path in sds:
-                sd = sds[path]
-            else:
-                sd = canonical_state_dict(value)
-                if sds is not None:  # the caller keeps the state dicts taken (for the schema)
-                    sds[path] = sd
+            sd = value.state_dict()
         except Exception as exc:
             msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
             raise TypeError(msg) from exc
@@ -583,6 +580,19 @@ def _walk(value: Any, path: Path, which: Which, leaf: Leaf, sds: dict[Path, Any]
         return _rng_node(value, path, leaf)
     check_object(value, path)
     return value
+
+
+def module_state(module: torch.nn.Module, path: Path) -> dict[str, Any] | ModuleWalk:
+    """What a walk takes from the module at `path`: the kept walk of a plain module tree, else its
+    canonical state dict (a `TypeError` names the field when its ``state_dict()`` raises)."""
+    walk = kept_walk(module)
+    if walk is not None:
+        return walk
+    try:
+        return canonical_state_dict(module)
+    except Exception as exc:
+        msg = f"{path_str(path)}.state_dict() raised {type(exc).__name__}: {exc}"
+        raise TypeError(msg) from exc
 
 
 def _plain_state(value: Any) -> Any:
@@ -928,23 +938,44 @@ def scan_schema(
     return _scan_state(state, (), taken, module_layout), taken
 
 
-#: What a schema holds for a module: (path, its state dict) -> its layout, or a digest of the layout.
-LayoutOf = Callable[[Path, dict[str, Any]], Any]
+#: A module layout's row: name, shape, dtype.
+Row = tuple[str, tuple[int, ...], str]
+#: What a schema holds for a module: (path, its state dict or kept walk) -> its layout, or its digest.
+LayoutOf = Callable[[Path, Any], Any]
 
 
-def module_layout(path: Path, sd: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    """A module's (name, shape, dtype) rows, from its canonical state dict."""
+def module_layout(path: Path, sd: dict[str, Any] | ModuleWalk) -> tuple[Row, ...]:
+    """A module's (name, shape, dtype) rows, from its canonical state dict or its kept walk."""
+    items = zip(sd.keys, sd.objects) if isinstance(sd, ModuleWalk) else sd.items()
     layout = []
-    for k, v in sd.items():
+    for k, v in items:
         if isinstance(v, torch.Tensor):
-            check_tensor(v, (*path, k))
+            check_tensor(v.detach(), (*path, k))
             layout.append((k, tuple(v.shape), str(v.dtype)))
     return tuple(layout)
 
 
-def layout_digest(path: Path, sd: dict[str, Any]) -> str:
-    """The digest of a module's layout (what the compact schema holds)."""
-    return _digest(module_layout(path, sd))
+def layout_digest(path: Path, sd: dict[str, Any] | ModuleWalk) -> str:
+    """The digest of a module's layout (what the compact schema holds). For a kept walk it is kept with
+    the walk while its tensors keep their types, shapes, dtypes, devices and layouts (a parameter whose
+    ``.data`` was replaced may have another shape): a sync with nothing to move then does no per-tensor
+    work beyond reading those."""
+    if not isinstance(sd, ModuleWalk):
+        return _digest(module_layout(path, sd))
+    objects = sd.objects
+    key = (
+        [type(t) for t in objects],
+        [t.shape for t in objects],
+        [t.dtype for t in objects],
+        [t.device for t in objects],
+        [t.layout for t in objects],
+    )
+    kept = sd.memo.get("layout digest")
+    if kept is not None and kept[0] == key and kept[1] == path:
+        return kept[2]
+    digest = _digest(module_layout(path, sd))
+    sd.memo["layout digest"] = (key, path, digest)
+    return digest
 
 
 def _scan_state(
@@ -960,10 +991,10 @@ def _scan_state(
 def _value_schema(value: Any, path: Path, sds: dict[Path, Any], layout_of: LayoutOf) -> Any:
     kind = kind_of(value)
     if kind == "module":
-        sd = sds.get(path)
-        if sd is None:
-            sd = sds[path] = canonical_state_dict(value)
-        return ("module", layout_of(path, sd))
+        found = sds.get(path)
+        if found is None:
+            found = sds[path] = module_state(value, path)
+        return ("module", layout_of(path, found))
     if kind == "optimizer":
         groups = tuple(
             (len(g["params"]), tuple(sorted(str(k) for k in g if k != "params"))) for g in value.param_groups
