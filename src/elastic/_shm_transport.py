@@ -76,14 +76,15 @@ log = logging.getLogger("elastic")
 
 OnError = Callable[[BaseException], None]
 
-#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in 2,000 tensors, medians of 7 rounds in
-#: each of three runs on a shared machine (per-run figures flip by up to 0.7x): the transfer alone took
-#: 1.06-1.73x one flat broadcast with 8 MiB buckets in 3 slots (sync 1.88-2.33x), 0.95-1.43x with 16 MiB
-#: in 2 (sync 1.95-2.67x), 1.18-1.46x with 4 MiB in 3-4; BroadcastTransport 1.69-2.02x (sync 2.34-3.09x).
-SHM_BUCKET_BYTES = 8 * 2**20
+#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in a 2,000-parameter module, `elastic.sync`
+#: with each configuration interleaved in one run (bench_transport.py, medians of 9 rounds, two runs, idle
+#: machine, with the kept layouts and bucket plans): 16 MiB in 2 slots 1.58-1.78x one flat broadcast, 8 MiB
+#: in 4 slots 1.60-1.76x, 8 MiB in 3 slots 1.87-1.90x. Fewer, larger buckets mean fewer all-reduce round
+#: trips; two 16 MiB slots keep the shared memory to the broadcast transport's two 16 MiB buckets.
+SHM_BUCKET_BYTES = 16 * 2**20
 #: Default ring depth: slots of the shared segment, buckets the source may fill before receivers catch up
 #: (at least 2: the source packs one slot while receivers unpack another).
-SLOTS = 3
+SLOTS = 2
 #: Default size below which the shared-memory path is not worth its extra all-reduce: plain broadcast.
 MIN_BYTES = 2**20
 #: At most this many receiver mappings are kept between syncs (one per source process, usually one).
