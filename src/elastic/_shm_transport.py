@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import operator
 import os
 import secrets
 import stat
@@ -354,12 +355,11 @@ class SharedMemoryTransport:
     ramp_min: int = attrs.field(default=RAMP_MIN, validator=_at_least(1))
     fallback: Transport = attrs.field(factory=BroadcastTransport, validator=_is_transport)
 
-    def _why_not(self, tensors: list[torch.Tensor], comm: Comm) -> str | None:
+    def _why_not(self, total: int, comm: Comm) -> str | None:
         if comm.device.type != "cpu":
             return f"the communication device is {comm.device}"
         if not hasattr(os, "memfd_create"):
             return "this platform has no os.memfd_create"
-        total = sum(t.numel() * t.element_size() for t in tensors)
         if total == 0 or total < self.min_bytes:
             return f"{total} bytes to move, fewer than min_bytes={self.min_bytes}"
         return None
@@ -368,10 +368,12 @@ class SharedMemoryTransport:
         """The fallback's plan, and where the receivers find the source's segment (``segment=None``: this
         transfer takes the fallback alone)."""
         fallback = self.fallback.plan(tensors, comm)
-        why = self._why_not(tensors, comm)
+        itemsizes = list(map(torch.Tensor.element_size, tensors))
+        total = sum(map(operator.mul, map(torch.Tensor.numel, tensors), itemsizes))
+        why = self._why_not(total, comm)
         if why is None:
-            total = sum(t.numel() * t.element_size() + t.element_size() for t in tensors)  # with alignment
-            slot = -(-min(self.bucket_bytes, total) // _ALIGN) * _ALIGN
+            aligned = total + sum(itemsizes)  # at most an element's padding before each tensor
+            slot = -(-min(self.bucket_bytes, aligned) // _ALIGN) * _ALIGN
             try:
                 seg = _segment_for(self.slots * slot)
             except OSError as exc:

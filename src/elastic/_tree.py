@@ -11,6 +11,7 @@ the receiver's own objects (modules, optimizers, containers, tensors written in 
 from __future__ import annotations
 
 import hashlib
+import operator
 import random
 import sys
 from collections import OrderedDict
@@ -189,21 +190,22 @@ class Flat:
         """Everything `metas` is computed from (paths, shapes, strides, dtypes, devices, `requires_grad`,
         where each tensor's bytes start in which storage), as plain values: two walks with equal signatures
         have equal metadata. Cheap (a few attribute reads per tensor, in C loops) next to the metadata."""
-        ts = self.tensors
+        ts, tensor = self.tensors, torch.Tensor
         return (
             tuple(self.paths),
-            [t.shape for t in ts],
-            [t.stride() for t in ts],
-            [t.dtype for t in ts],
-            [t.device for t in ts],
+            list(map(_SHAPE_DTYPE_DEVICE, ts)),
+            list(map(tensor.stride, ts)),
             tuple(self.grads),
-            [t.data_ptr() for t in ts],
-            [t.storage_offset() for t in ts],
+            list(map(tensor.data_ptr, ts)),
+            list(map(tensor.storage_offset, ts)),
         )
 
     def index(self) -> dict[Path, torch.Tensor]:
         """The state's own tensors by path, as `tensor_index` finds them (from the same walk)."""
         return dict(zip(self.paths, self.originals))
+
+
+_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
 
 
 def _metas_of(paths: list[Path], tensors: list[torch.Tensor], grads: list[bool]) -> list[TensorMeta]:
