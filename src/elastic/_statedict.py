@@ -17,9 +17,10 @@ tensors are detached afresh each time, so a parameter whose ``.data`` was replac
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -85,17 +86,22 @@ def _plain_class(cls: type) -> bool:
     return found
 
 
-@attrs.frozen
-class _Entry:
-    """One module of the tree as the snapshot saw it: its class and, per dict, the names and the identities
-    of the values (the values themselves are held, so that an identity cannot be reused meanwhile)."""
+class _Entry(NamedTuple):
+    """One module of the tree as the snapshot saw it: its class and, per dict (parameters, buffers,
+    children), the names and the values (held: compared by identity)."""
 
     ref: Any  # weakref.ref to the module (the tree's root is the key of the kept walks: never held)
     cls: Any
     names: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
-    ids: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-    held: tuple[Any, ...]
+    values: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
     non_persistent: frozenset[str]
+
+
+def _same(d: dict[str, Any], names: tuple[str, ...], values: tuple[Any, ...]) -> bool:
+    """Whether `d` holds exactly `names` bound to the very objects `values`, in order."""
+    if not names:
+        return not d
+    return len(d) == len(names) and tuple(d) == names and all(map(operator.is_, d.values(), values))
 
 
 def _dicts(m: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -123,12 +129,15 @@ class ModuleWalk:
         non-persistent buffers, and no state-dict hook."""
         for e in self.entries:
             m: Any = e.ref()
-            if m is None or type(m) is not e.cls or _hooked(m):
+            if m is None or type(m) is not e.cls or m._state_dict_hooks or m._state_dict_pre_hooks:
                 return False
-            for d, names, ids in zip(_dicts(m), e.names, e.ids):
-                if tuple(d) != names or tuple(map(id, d.values())) != ids:
-                    return False
-            if m._non_persistent_buffers_set != e.non_persistent:
+            names, values = e.names, e.values
+            if not (
+                _same(m._parameters, names[0], values[0])
+                and _same(m._buffers, names[1], values[1])
+                and _same(m._modules, names[2], values[2])
+                and m._non_persistent_buffers_set == e.non_persistent
+            ):
                 return False
         return True
 
@@ -159,18 +168,10 @@ def _snapshot(root: torch.nn.Module) -> ModuleWalk | None:
         if not _plain_class(cls) or _hooked(m):
             raise _NotPlain
         dicts = _dicts(m)
-        held = tuple(tuple(d.values()) for d in dicts)
         non_persistent = frozenset(m._non_persistent_buffers_set)
-        entries.append(
-            _Entry(
-                weakref.ref(m),
-                cls,
-                tuple(tuple(d) for d in dicts),  # type: ignore[arg-type]
-                tuple(tuple(map(id, vs)) for vs in held),  # type: ignore[arg-type]
-                held,
-                non_persistent,
-            )
-        )
+        names = tuple(tuple(d) for d in dicts)
+        values = tuple(tuple(d.values()) for d in dicts)
+        entries.append(_Entry(weakref.ref(m), cls, names, values, non_persistent))  # type: ignore[arg-type]
         params, buffers, children = dicts
         for name, p in params.items():
             if p is not None:
