@@ -120,9 +120,9 @@ def test_open_refuses_a_path_that_is_not_the_segment(monkeypatch: pytest.MonkeyP
             shm._open_checked(SegmentRef(os.getpid(), seg.fd, seg.token, 16384, seg.inode))
         assert len(os.listdir("/proc/self/fd")) == fds
         # the segment itself maps, read-only, and shows the owner's writes
-        seg.bytes[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        seg.region.bytes[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         view = shm._map(seg.ref())
-        assert view.tolist()[:4] == [1, 2, 3, 4] and view.numel() == 8192
+        assert view.bytes.tolist()[:4] == [1, 2, 3, 4] and view.bytes.numel() == 8192
         assert shm._map(seg.ref()) is view  # kept
     finally:
         seg.close()
@@ -280,14 +280,14 @@ def _two_rank_checks(rank: int, world: int) -> dict[str, Any]:
     out["noncontiguous kept"] = rank == 0 or not any(targets[i].is_contiguous() for i in (42, 50))
     out["parameter kept"] = rank == 0 or isinstance(targets[51], torch.nn.Parameter)
     # again: the same segment and mapping, no new descriptor
-    kept = {ref: view.data_ptr() for ref, view in shm._mapped.items()}
+    kept = {ref: view.bytes.data_ptr() for ref, view in shm._mapped.items()}
     free = [s.token for s in shm._free]
     fds = _fd_count()
     src, targets = _tensors(rank)
     out["second"] = _transfer(rank, chosen, src, targets)
     out["fds stable"] = _fd_count() == fds
     out["same segment"] = [s.token for s in shm._free] == free and len(free) == (1 if rank == 0 else 0)
-    out["same mapping"] = {ref: view.data_ptr() for ref, view in shm._mapped.items()} == kept
+    out["same mapping"] = {ref: view.bytes.data_ptr() for ref, view in shm._mapped.items()} == kept
     out["mapped"] = len(kept) == (0 if rank == 0 else 1)
 
     # a receiver that cannot map: everyone falls back to the broadcast, with the right values
@@ -434,3 +434,27 @@ def test_transfers_on_three_ranks_and_a_dying_receiver() -> None:
         assert side["sync"]["src"] == 0 and side["sync"]["wrong"] == [] and side["sync"]["moved"] == []
         assert "failed in phase 'bucket" in side["died"] and f"on rank {rank}" in side["died"]
     assert results[0]["receivers"] == [[[], [], [], []]] * 2  # every receiver: bit for bit, in place
+
+
+def test_released_segments_and_kept_views_are_unmapped() -> None:
+    import gc
+
+    from elastic import _transport
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum("memfd:elastic-" in line for line in f)
+
+    shm.release_shared()
+    gc.collect()
+    before = mapped()
+    for size in (4096, 8192, 16384):  # each larger segment replaces the smaller ones
+        seg = shm._segment_for(size)
+        slots = seg.region.slots(2, size // 2)
+        meta = TensorMeta(("t",), (4,), torch.float32, "cpu")
+        plan = _transport.kept_plan([meta], [False], size // 2, 4096)
+        plan.split(slots[0], 0, [torch.zeros(4)], lambda i, t: True, True)  # a kept view of the segment
+        del seg, slots
+    shm.release_shared()
+    gc.collect()
+    assert shm.shared_cached_bytes() == 0 and mapped() == before

@@ -163,3 +163,39 @@ def test_the_kept_walk_goes_with_its_module() -> None:
     del m
     gc.collect()
     assert key not in _statedict._walks
+
+
+def test_an_override_on_the_instance_or_a_class_patched_later_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    m = _model()
+    assert kept_walk(m) is not None
+    m[0].state_dict = lambda *a, **k: {"only": torch.zeros(1)}  # type: ignore[method-assign]
+    assert kept_walk(m) is None
+    del m[0].state_dict
+
+    class Patched(torch.nn.Linear):
+        pass
+
+    n = torch.nn.Sequential(Patched(2, 2))
+    assert kept_walk(n) is not None
+    monkeypatch.setattr(Patched, "_save_to_state_dict", lambda self, d, prefix, keep: None, raising=False)
+    assert kept_walk(n) is None
+
+
+def test_the_walk_holds_neither_the_model_nor_what_was_dropped_from_it() -> None:
+    import weakref
+
+    m = _model()
+    m[2].owner = {"model": m}  # a child that refers back to the root: a cycle through the model
+    m[0].weight.register_hook(lambda g, held=m: g * held[0].in_features)  # another cycle
+    kept_walk(m)
+    dropped = weakref.ref(m[1])
+    m[1] = torch.nn.Identity()  # dropped after a walk: freed, not kept alive by the snapshot
+    gc.collect()
+    assert dropped() is None
+    kept_walk(m)
+    root = weakref.ref(m)
+    del m
+    gc.collect()
+    assert root() is None

@@ -576,6 +576,9 @@ def _receiver_failures(rank: int, world: int) -> dict[str, Any]:
         out[key + " w"] = s.w.tolist()
 
     attempt("decode")  # rank 1 cannot unpickle the source's objects
+    if rank == 0:  # a tensor under a dict key rank 1 cannot unpickle: its metadata do not decode there
+        s.extra = {Bomb(): torch.ones(2)}
+    attempt("key")
     s.extra = None
     elastic.sync(s, timeout=30)  # the next sync on the same group works
     out["after decode"] = (elastic.tenure(s), s.w.tolist(), s.w is own)
@@ -599,7 +602,10 @@ def test_a_receiver_failing_to_decode_or_apply_fails_every_rank_promptly() -> No
         assert "failed on rank 1 (receiver): RuntimeError: this object cannot be rebuilt on rank 1" in msg
         kind, msg, phase = r["apply"]
         assert kind == "SyncError" and "failed on rank 1 (receiver): ValueError: 13 is refused here" in msg
+        kind, msg, phase = r["key"]
+        assert kind == "SyncError" and "failed on rank 1 (receiver): RuntimeError: this object cannot" in msg
     assert r1["decode tenure"] == 4 and r1["decode w"] == [1.0] * 4  # nothing written: not torn
+    assert r1["key tenure"] == 4 and r1["key w"] == [1.0] * 4
     assert r0["decode tenure"] == 5 and r0["decode w"] == [0.0] * 4
     assert r0["after decode"] == r1["after decode"] == (5, [0.0] * 4, True)
     assert r1["apply tenure"] is None and r0["apply tenure"] == 9  # written, then failed: torn

@@ -55,10 +55,10 @@ from ._transport import (
     Transport,
     Unpacker,
     _quiet,
+    forget_splits,
     kept_plan,
 )
 from ._tree import TensorMeta
-from ._weakmap import IdentityWeakMap
 
 __all__ = [
     "MIN_BYTES",
@@ -133,6 +133,22 @@ def link_matches(link: str, token: str) -> bool:
 # The source's segments
 
 
+class _Region:
+    """Mapped shared bytes and their slot views, kept with them: the same view objects from one transfer to
+    the next (kept bucket plans keep their split of a bucket for the buffer object it was made for), gone
+    with the mapping."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.bytes = data
+        self._slots: tuple[tuple[int, int], list[torch.Tensor]] | None = None
+
+    def slots(self, count: int, slot_bytes: int) -> list[torch.Tensor]:
+        if self._slots is None or self._slots[0] != (count, slot_bytes):
+            views = [self.bytes[n * slot_bytes : (n + 1) * slot_bytes] for n in range(count)]
+            self._slots = ((count, slot_bytes), views)
+        return self._slots[1]
+
+
 class _Segment:
     """A memfd of `size` bytes mapped read-write in this process; the descriptor stays open (receivers open
     the memfd through it) until `close` or garbage collection."""
@@ -148,22 +164,24 @@ class _Segment:
             os.close(fd)
             raise
         self.fd, self.token, self.size, self.inode = fd, token, size, inode
-        self.bytes = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
+        self.region = _Region(torch.frombuffer(mapped, dtype=torch.uint8))  # keeps the mapping alive
         self._close = weakref.finalize(self, os.close, fd)
 
     def ref(self) -> SegmentRef:
         return SegmentRef(os.getpid(), self.fd, self.token, self.size, self.inode)
 
     def close(self) -> None:
-        """Close the descriptor (the mapping goes with the last view of `bytes`)."""
+        """Close the descriptor (the mapping goes with the last view of its bytes) and let the kept bucket
+        plans forget their views of it."""
         self._close()
+        forget_splits()
 
 
 _lock = threading.Lock()
 #: The source's segments not in use by a transfer (at most two: the newest and the largest).
 _free: list[_Segment] = []
 #: A receiver's mappings of sources' segments, least recently used first.
-_mapped: OrderedDict[SegmentRef, torch.Tensor] = OrderedDict()
+_mapped: OrderedDict[SegmentRef, _Region] = OrderedDict()
 
 
 def _segment_for(size: int) -> _Segment:
@@ -230,8 +248,8 @@ def _open_checked(ref: SegmentRef) -> int:
     return fd
 
 
-def _map(ref: SegmentRef) -> torch.Tensor:
-    """The source's segment as a read-only uint8 tensor (a kept mapping when there is one)."""
+def _map(ref: SegmentRef) -> _Region:
+    """The source's segment mapped read-only (a kept mapping when there is one)."""
     with _lock:
         cached = _mapped.get(ref)
         if cached is not None:
@@ -245,20 +263,25 @@ def _map(ref: SegmentRef) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only memory: torch warns that writing would be undefined
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(mapped, dtype=torch.uint8)
+    region = _Region(view)
     with _lock:
-        for old in [r for r in _mapped if r.pid == ref.pid]:  # the source replaced its segment
+        stale = [r for r in _mapped if r.pid == ref.pid]  # the source replaced its segment
+        for old in stale:
             del _mapped[old]
-        _mapped[ref] = view
+        _mapped[ref] = region
         while len(_mapped) > MAX_MAPPINGS:
             _mapped.popitem(last=False)
-    return view
+            stale.append(ref)
+    if stale:
+        forget_splits()  # the kept bucket plans' views of the dropped mappings would keep them mapped
+    return region
 
 
 def shared_cached_bytes() -> int:
     """Bytes of shared memory this process keeps between transfers: its own free segments (as a source)
     and its mappings of sources' segments (as a receiver; those pages are the sources')."""
     with _lock:
-        return sum(s.size for s in _free) + sum(v.numel() for v in _mapped.values())
+        return sum(s.size for s in _free) + sum(m.bytes.numel() for m in _mapped.values())
 
 
 def release_shared() -> None:
@@ -269,20 +292,7 @@ def release_shared() -> None:
         _mapped.clear()
     for s in dropped:
         s.close()
-
-
-_slot_cache: IdentityWeakMap[tuple[tuple[int, int], list[torch.Tensor]]] = IdentityWeakMap()
-
-
-def _slot_views(segment: torch.Tensor, slots: int, slot_bytes: int) -> list[torch.Tensor]:
-    """The `slots` slots of a mapped segment as views, the same objects from one transfer to the next (the
-    kept bucket plans keep their split of a bucket for the buffer object it was made for)."""
-    found = _slot_cache.get(segment)
-    if found is not None and found[0] == (slots, slot_bytes):
-        return found[1]
-    views = [segment[n * slot_bytes : (n + 1) * slot_bytes] for n in range(slots)]
-    _slot_cache.set(segment, ((slots, slot_bytes), views))
-    return views
+    forget_splits()
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -438,7 +448,7 @@ class SharedMemoryTransport:
     ) -> None:
         kept = self._buckets(metas, plan)
         buckets = kept.buckets
-        bases = _slot_views(seg.bytes, plan.slots, plan.slot_bytes)
+        bases = seg.region.slots(plan.slots, plan.slot_bytes)
         packer = Packer(tensors, kept, comm.device)
         pending: deque[Any] = deque()  # the all-reduces issued and not waited for, oldest first
         waited = 0  # c_0 ... c_(waited - 1) are known complete
@@ -480,7 +490,7 @@ class SharedMemoryTransport:
         if alone is not _RING:
             self.fallback.receive(comm, src, targets, metas, alone, on_error)
             return
-        view: torch.Tensor | None = None
+        view: _Region | None = None
         buckets: list[Bucket] = []
         try:
             kept = self._buckets(metas, plan)
@@ -505,7 +515,7 @@ class SharedMemoryTransport:
             self.fallback.receive(comm, src, targets, metas, plan.fallback, on_error)
             return
         assert view is not None  # the agreement needs every rank's yes
-        bases = _slot_views(view, plan.slots, plan.slot_bytes)
+        bases = view.slots(plan.slots, plan.slot_bytes)
         unpacker = Unpacker(targets, metas, kept, comm.device)
         failed = False
         with _quiet():

@@ -71,45 +71,67 @@ def load_module(module: torch.nn.Module, sd: dict[str, Any]) -> None:
 # The kept walk of plain trees
 
 _Module = torch.nn.Module
-_plain_classes: dict[type, bool] = {}
 
 
 def _plain_class(cls: type) -> bool:
-    """Whether `cls` takes its state dict with torch's own machinery (no override of the three methods)."""
-    found = _plain_classes.get(cls)
-    if found is None:
-        found = _plain_classes[cls] = (
-            getattr(cls, "state_dict", None) is _Module.state_dict
-            and getattr(cls, "_save_to_state_dict", None) is _Module._save_to_state_dict
-            and getattr(cls, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state
-        )
-    return found
+    """Whether `cls` takes its state dict with torch's own machinery (none of the three methods overridden,
+    checked each time: a class may be patched after a walk)."""
+    return (
+        getattr(cls, "state_dict", None) is _Module.state_dict
+        and getattr(cls, "_save_to_state_dict", None) is _Module._save_to_state_dict
+        and getattr(cls, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state
+    )
 
 
 class _Entry(NamedTuple):
     """One module of the tree as the snapshot saw it: its class and, per dict (parameters, buffers,
-    children), the names and the values (held: compared by identity)."""
+    children), the names and weak references to the values (compared by identity). Nothing is held: a
+    module or tensor the user drops after a sync is freed, and a dead reference fails the check."""
 
-    ref: Any  # weakref.ref to the module (the tree's root is the key of the kept walks: never held)
+    ref: Any  # weakref.ref to the module
     cls: Any
     names: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     values: tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
     non_persistent: frozenset[str]
 
 
+def _no_value() -> None:
+    """The weak reference of a `None` entry (a parameter registered as None)."""
+    return None
+
+
+def _weak(value: Any) -> Any:
+    return _no_value if value is None else weakref.ref(value)
+
+
+_deref = operator.methodcaller("__call__")
+
+
 def _same(d: dict[str, Any], names: tuple[str, ...], values: tuple[Any, ...]) -> bool:
-    """Whether `d` holds exactly `names` bound to the very objects `values`, in order."""
+    """Whether `d` holds exactly `names` bound to the very objects `values` refer to, in order."""
     if not names:
         return not d
-    return len(d) == len(names) and tuple(d) == names and all(map(operator.is_, d.values(), values))
+    return (
+        len(d) == len(names) and tuple(d) == names and all(map(operator.is_, d.values(), map(_deref, values)))
+    )
+
+
+#: Methods whose override (on the class or on the instance) takes a module off torch's own machinery.
+_STATE_DICT_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
+
+
+def _overridden(m: torch.nn.Module) -> bool:
+    """Whether `m` overrides a state-dict method on the instance itself, or has a state-dict hook."""
+    own = m.__dict__
+    return (
+        bool(m._state_dict_hooks)
+        or bool(m._state_dict_pre_hooks)
+        or any(name in own for name in _STATE_DICT_METHODS)
+    )
 
 
 def _dicts(m: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     return m._parameters, m._buffers, m._modules
-
-
-def _hooked(m: torch.nn.Module) -> bool:
-    return bool(m._state_dict_hooks) or bool(m._state_dict_pre_hooks)
 
 
 @attrs.define(eq=False)
@@ -118,18 +140,21 @@ class ModuleWalk:
     snapshot that says whether they still are what ``state_dict()`` would give."""
 
     keys: tuple[str, ...]
-    objects: tuple[torch.Tensor, ...]
+    objects: tuple[Any, ...]  # weak references to the parameters and buffers
     entries: tuple[_Entry, ...]
+    classes: frozenset[type]
     _paths: dict[Path, list[Path]] = attrs.Factory(dict)
     #: values derived from the walk by its users, kept with it (the schema's layout digest)
     memo: dict[str, Any] = attrs.Factory(dict)
 
     def valid(self) -> bool:
         """Whether every module of the tree still has the same class, parameters, buffers, children and
-        non-persistent buffers, and no state-dict hook."""
+        non-persistent buffers, no state-dict hook or override (on a class patched since, too)."""
+        if not all(map(_plain_class, self.classes)):
+            return False
         for e in self.entries:
             m: Any = e.ref()
-            if m is None or type(m) is not e.cls or m._state_dict_hooks or m._state_dict_pre_hooks:
+            if m is None or type(m) is not e.cls or _overridden(m):
                 return False
             names, values = e.names, e.values
             if not (
@@ -141,9 +166,13 @@ class ModuleWalk:
                 return False
         return True
 
+    def live(self) -> list[torch.Tensor]:
+        """The parameters and buffers themselves (alive while the walk is `valid`)."""
+        return list(map(_deref, self.objects))
+
     def tensors(self) -> list[torch.Tensor]:
         """The state dict's values as ``state_dict()`` gives them: detached from autograd, as they are now."""
-        return [t.detach() for t in self.objects]
+        return [t.detach() for t in self.live()]
 
     def paths(self, prefix: Path) -> list[Path]:
         """The state paths of the tensors below `prefix` (kept: the same list every time)."""
@@ -165,12 +194,12 @@ def _snapshot(root: torch.nn.Module) -> ModuleWalk | None:
 
     def visit(m: torch.nn.Module, prefix: str) -> None:
         cls = type(m)
-        if not _plain_class(cls) or _hooked(m):
+        if not _plain_class(cls) or _overridden(m):
             raise _NotPlain
         dicts = _dicts(m)
         non_persistent = frozenset(m._non_persistent_buffers_set)
         names = tuple(tuple(d) for d in dicts)
-        values = tuple(tuple(d.values()) for d in dicts)
+        values = tuple(tuple(map(_weak, d.values())) for d in dicts)
         entries.append(_Entry(weakref.ref(m), cls, names, values, non_persistent))  # type: ignore[arg-type]
         params, buffers, children = dicts
         for name, p in params.items():
@@ -189,7 +218,10 @@ def _snapshot(root: torch.nn.Module) -> ModuleWalk | None:
         visit(root, "")
     except _NotPlain:
         return None
-    return ModuleWalk(tuple(_canonical(k) for k in keys), tuple(objects), tuple(entries))
+    classes = frozenset(e.cls for e in entries)
+    return ModuleWalk(
+        tuple(_canonical(k) for k in keys), tuple(map(weakref.ref, objects)), tuple(entries), classes
+    )
 
 
 _walks: IdentityWeakMap[ModuleWalk] = IdentityWeakMap()

@@ -616,17 +616,23 @@ def _receive(
     failure at commit: every rank raises the same `SyncError` then, and the group's collectives stay in
     step."""
     alike = not isinstance(own, BaseException) and payload.layout == own[1].digest
+    decoded: BaseException | None = None
     if alike:
         assert not isinstance(own, BaseException)
         metas, moving, moved = own[1].metas, own[1].moving, own[1].moving_metas
     else:
-        metas = payload.metas_here()
+        try:
+            metas = payload.metas_here()
+        except Exception as exc:  # a path key that does not unpickle here: shapes and dtypes still do
+            decoded, metas = exc, decode_metas(payload.encoded or b"", paths=False)
         moving = carriers(metas)
         moved = [metas[i] for i in moving]
     try:
         fault_point("decode", comm.rank)
         if isinstance(own, BaseException):
             raise own
+        if decoded is not None:
+            raise decoded
         flat = own[0]
         skeleton = payload.skeleton_here()
         if alike:

@@ -60,6 +60,7 @@ __all__ = [
     "Transport",
     "byte_view",
     "cached_bytes",
+    "forget_splits",
     "kept_plan",
     "plan_buckets",
     "release_buffers",
@@ -451,6 +452,14 @@ def kept_plan(metas: list[TensorMeta], direct: list[bool], bucket_bytes: int, ra
     with _cache_lock:
         _plans.append(plan)
     return plan
+
+
+def forget_splits() -> None:
+    """Drop the kept plans' bucket views (their buffers were replaced or released: the views would keep
+    them alive); the plans stay."""
+    with _cache_lock:
+        for plan in _plans:
+            plan.splits.clear()
 
 
 def _on(tensors: list[torch.Tensor], device: torch.device) -> bool:

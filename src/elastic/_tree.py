@@ -948,7 +948,7 @@ LayoutOf = Callable[[Path, Any], Any]
 
 def module_layout(path: Path, sd: dict[str, Any] | ModuleWalk) -> tuple[Row, ...]:
     """A module's (name, shape, dtype) rows, from its canonical state dict or its kept walk."""
-    items = zip(sd.keys, sd.objects) if isinstance(sd, ModuleWalk) else sd.items()
+    items = zip(sd.keys, sd.live()) if isinstance(sd, ModuleWalk) else sd.items()
     layout = []
     for k, v in items:
         if isinstance(v, torch.Tensor):
@@ -964,7 +964,7 @@ def layout_digest(path: Path, sd: dict[str, Any] | ModuleWalk) -> str:
     work beyond reading those."""
     if not isinstance(sd, ModuleWalk):
         return _digest(module_layout(path, sd))
-    objects = sd.objects
+    objects = sd.live()
     key = (
         [type(t) for t in objects],
         [t.shape for t in objects],
