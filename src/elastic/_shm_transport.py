@@ -295,6 +295,62 @@ def release_shared() -> None:
     forget_splits()
 
 
+class _SourceRing:
+    """The source's side of the ring: bucket k is packed into slot ``k % slots`` and announced by the
+    all-reduce ``c_k``; the first `slots` buckets may be packed ahead (`pack_ahead`), before ``c_0``, since
+    the last transfer's final all-reduce left every slot free."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        seg: _Segment,
+        tensors: list[torch.Tensor],
+        kept: Any,
+        plan: ShmPlan,
+        on_error: OnError,
+    ) -> None:
+        self.comm, self.plan, self.on_error = comm, plan, on_error
+        self.buckets = kept.buckets
+        self.bases = seg.region.slots(plan.slots, plan.slot_bytes)
+        self.packer = Packer(tensors, kept, comm.device)
+        self.failed = False
+        self.ahead = 0  # buckets packed ahead
+
+    def _pack(self, k: int) -> None:
+        if self.failed:
+            return
+        try:
+            fault_point(f"bucket {k}", self.comm.rank)
+            self.packer.pack(self.bases[k % len(self.bases)], k)
+        except Exception as exc:
+            self.failed = True
+            self.on_error(exc)
+
+    def pack_ahead(self) -> None:
+        with _quiet():
+            for k in range(min(self.plan.slots, len(self.buckets))):
+                self._pack(k)
+                self.ahead = k + 1
+
+    def run(self) -> None:
+        comm, slots = self.comm, self.plan.slots
+        pending: deque[Any] = deque()  # the all-reduces issued and not waited for, oldest first
+        waited = 0  # c_0 ... c_(waited - 1) are known complete
+        with _quiet():
+            for k in range(len(self.buckets)):
+                if k >= self.ahead:
+                    while waited <= k - slots + 1:  # c_(k - slots + 1): every receiver left bucket k - slots
+                        work, _, done = pending.popleft()
+                        comm.wait(work, done)
+                        waited += 1
+                    self._pack(k)
+                pending.append(_signal(comm, f"bucket {k}"))
+            pending.append(_signal(comm, DONE_PHASE))
+            while pending:
+                work, _, done = pending.popleft()
+                comm.wait(work, done)
+
+
 # -----------------------------------------------------------------------------------------------------------
 # The transport
 
@@ -325,9 +381,13 @@ def _signal(comm: Comm, phase: str, value: int = 1) -> Any:
     return comm.issue(phase, dist.all_reduce, flag, op=dist.ReduceOp.MIN), flag, phase
 
 
+#: Name of the all-reduce that says whether every receiver mapped the segment.
+AGREE_PHASE = "shared memory"
+
+
 def _agree(comm: Comm, ok: bool) -> bool:
     """Whether every rank of `comm` says `ok` (one all-reduce); the same answer on every rank."""
-    work, flag, phase = _signal(comm, "shared memory", 1 if ok else 0)
+    work, flag, phase = _signal(comm, AGREE_PHASE, 1 if ok else 0)
     comm.wait(work, phase)
     return int(flag.item()) == 1
 
@@ -420,7 +480,18 @@ class SharedMemoryTransport:
             self.fallback.send(comm, src, tensors, metas, alone, on_error)
             return
         seg = _take(plan.segment.token)
-        if not _agree(comm, seg is not None):
+        ring: _SourceRing | None = None
+        try:
+            work, flag, phase = _signal(comm, AGREE_PHASE, 1 if seg is not None else 0)
+            if seg is not None:  # fill the first slots while the receivers map the segment
+                ring = _SourceRing(comm, seg, tensors, self._buckets(metas, plan), plan, on_error)
+                ring.pack_ahead()
+            comm.wait(work, phase)
+        except BaseException:
+            if seg is not None:
+                seg.close()
+            raise
+        if int(flag.item()) != 1:
             log.debug(
                 "shared-memory transport: broadcast instead, %s",
                 "the segment was released before the transfer" if seg is None else "a receiver cannot map it",
@@ -429,49 +500,13 @@ class SharedMemoryTransport:
                 _give_back(seg)
             self.fallback.send(comm, src, tensors, metas, plan.fallback, on_error)
             return
-        assert seg is not None  # the agreement needs every rank's yes
+        assert seg is not None and ring is not None  # the agreement needs every rank's yes
         try:
-            self._send_ring(comm, seg, tensors, metas, plan, on_error)
+            ring.run()
         except BaseException:
             seg.close()
             raise
         _give_back(seg)
-
-    def _send_ring(
-        self,
-        comm: Comm,
-        seg: _Segment,
-        tensors: list[torch.Tensor],
-        metas: list[TensorMeta],
-        plan: ShmPlan,
-        on_error: OnError,
-    ) -> None:
-        kept = self._buckets(metas, plan)
-        buckets = kept.buckets
-        bases = seg.region.slots(plan.slots, plan.slot_bytes)
-        packer = Packer(tensors, kept, comm.device)
-        pending: deque[Any] = deque()  # the all-reduces issued and not waited for, oldest first
-        waited = 0  # c_0 ... c_(waited - 1) are known complete
-        failed = False
-        with _quiet():
-            for k in range(len(buckets)):
-                phase = f"bucket {k}"
-                while waited <= k - plan.slots + 1:  # c_(k - slots + 1): every receiver left bucket k - slots
-                    work, _, done = pending.popleft()
-                    comm.wait(work, done)
-                    waited += 1
-                if not failed:
-                    try:
-                        fault_point(phase, comm.rank)
-                        packer.pack(bases[k % len(bases)], k)
-                    except Exception as exc:
-                        failed = True
-                        on_error(exc)
-                pending.append(_signal(comm, phase))
-            pending.append(_signal(comm, DONE_PHASE))
-            while pending:
-                work, _, done = pending.popleft()
-                comm.wait(work, done)
 
     def receive(
         self,
