@@ -171,8 +171,6 @@ class Flat:
     #: the tensor objects themselves (`tensors` are their detached views): where a receiver writes in place
     originals: list[torch.Tensor]
     grads: list[bool]
-    #: the module state dicts the walk took (or was given), by path
-    sds: dict[Path, Any] = attrs.Factory(dict)
     _metas: list[TensorMeta] | None = None
 
     @property
@@ -330,8 +328,8 @@ def check_tensor(tensor: torch.Tensor, path: Path) -> None:
 def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | None = None) -> Flat:
     """Flatten the `which` fields of a state into a skeleton and its tensors (never modifies `state`).
 
-    `state_dicts` holds module state dicts by path already taken (not taken again); the ones this walk takes
-    are added to it."""
+    `state_dicts` holds what was already taken from modules, by path (a kept walk or a state dict: not taken
+    again); what this walk takes is added to it."""
     leaf = _Collector()
     sds: dict[Path, Any] = {} if state_dicts is None else state_dicts
     skeleton = _walk_state(state, (), which, leaf, sds)
@@ -341,7 +339,6 @@ def flatten(state: Any, which: Which = "sync", state_dicts: dict[Path, Any] | No
         paths=leaf.paths,
         originals=leaf.originals,
         grads=leaf.grads,
-        sds=sds,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 __all__ = ["IdentityWeakMap"]
@@ -69,7 +69,3 @@ class IdentityWeakMap(Generic[V]):
         """Whether an entry is kept under ``id(obj) == key`` (for tests)."""
         with self._lock:
             return key in self._entries
-
-    def __iter__(self) -> Iterator[int]:
-        with self._lock:
-            return iter(list(self._entries))
