@@ -59,6 +59,7 @@ import torch.distributed as dist
 from ._checkpoint import load
 from ._config import config_of
 from ._errors import ElasticError, SyncError
+from ._fork import install as release_connections_in_forked_children
 from ._rendezvous import Rendezvous
 from ._store import connect, format_address, parse_address
 from ._sync import sync
@@ -509,6 +510,7 @@ def run(
     (fn returned in some generation) before this worker could join.
     """
     _check_args(fn, min_workers, max_workers, check_every, run_id)
+    release_connections_in_forked_children()
     config_of(state, "elastic.run()")
     td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
     join_td = as_timedelta(join_timeout, "elastic.run") or DEFAULT_JOIN_TIMEOUT
