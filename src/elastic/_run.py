@@ -64,6 +64,7 @@ from ._checkpoint import load
 from ._comm import ranks_str
 from ._config import config_of
 from ._errors import ElasticError, SyncError
+from ._fork import install as release_connections_in_forked_children
 from ._rendezvous import Rendezvous
 from ._store import connect, format_address, parse_address
 from ._sync import sync, tenure
@@ -796,6 +797,7 @@ def run(
         TypeError, ValueError: bad arguments.
     """
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
+    release_connections_in_forked_children()
     config_of(state, "elastic.run()")
     td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
     join_td = as_timedelta(join_timeout, "elastic.run") or DEFAULT_JOIN_TIMEOUT
