@@ -792,3 +792,169 @@ def test_the_readme_first_demo_recovers_and_ends_with_equal_weights() -> None:
     joined = re.search(replacement, out)
     assert joined and int(joined.group(1)) >= int(step), out  # the replacement received the survivors' state
     assert re.search(r"final weights equal on every worker: [0-9a-f]{8}", out), out
+
+
+# --------------------------------------------------------------------------------------------------------
+# What real scripts do: gradients, reproducible ranks, a first generation of all, a save on rank 0 only
+
+
+@elastic.elastic_state(tenure=lambda s: s.step)
+@attrs.define
+class Net:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+
+
+def script_worker(tmp: str) -> dict[str, Any]:
+    """nanoGPT's shape: gradients zeroed at the END of a step, one worker killed after its backward, then
+    eval-and-save on rank 0 only (a bug: save is collective)."""
+    slot = int(os.environ["ELASTIC_SLOT"])
+    life = int(os.environ["ELASTIC_SLOT_RESTARTS"])
+    if life == 0:
+        time.sleep({0: 1.5, 1: 0.0, 2: 3.0}[slot])  # join order 1, 0, 2; slot 2 after the last call
+    torch.manual_seed(100 + slot)  # per-worker seeds: the elected state must not depend on join order
+    model = torch.nn.Linear(4, 2)
+    state = Net(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rec: dict[str, Any] = {
+        "slot": slot,
+        "life": life,
+        "gens": [],
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),
+    }
+
+    def train(s: Net, world: Any) -> None:
+        grads = [p.grad is not None for p in s.model.parameters()]
+        rec["gens"].append((world.generation, world.size, world.rank, s.step, grads))
+        with open(Path(tmp) / f"gens-{slot}", "a") as f:  # slot 2's first life does not return
+            f.write(f"{world.generation} {world.size} {world.rank}\n")
+        if world.generation == 0:
+            rec["first_weight"] = s.model.weight.detach().clone().tolist()
+        while True:
+            world.check()
+            x = torch.full((3, 4), float(s.step % 5))
+            s.model(x).pow(2).mean().backward()
+            if slot == 2 and life == 0 and s.step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)  # after its backward: the survivors hold gradients
+            for p in s.model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad /= world.size
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+            s.step += 1
+            if s.step > 3000:
+                raise AssertionError("the scenario never reached its save")
+            if s.step >= 8 and world.size == 3:
+                if world.rank == 0:
+                    elastic.save(s, Path(tmp) / "ckpt")  # only the master: the others go on training
+                else:
+                    dist.all_reduce(torch.ones(1))
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        elastic.run(train, state, min_workers=2, first_workers=3, timeout=4, join_timeout=60)
+    except elastic.ElasticError as exc:
+        rec["error"] = str(exc)
+    return rec
+
+
+def test_a_real_scripts_traps_gradients_ranks_first_generation_and_a_save_on_rank_0_only(
+    tmp_path: Path,
+) -> None:
+    results = elastic.spawn(
+        script_worker, 3, args=(str(tmp_path),), restart="worker", max_restarts=1, timeout=110
+    )
+    first = [(tmp_path / f"gens-{s}").read_text().splitlines()[0] for s in (0, 1, 2)]
+    # the first generation waited for all three (first_workers=3), ranked by slot whatever the join order
+    assert first == ["0 3 0", "0 3 1", "0 3 2"]
+    # tenure ties go to rank 0 = slot 0: everyone starts from slot 0's seed, run after run
+    torch.manual_seed(100)
+    assert results[1]["first_weight"] == torch.nn.Linear(4, 2).weight.tolist()
+    # after the kill the survivors started the next generation with no gradient left from step 4
+    for s in (0, 1):
+        gens = results[s]["gens"]
+        assert len(gens) >= 3, gens
+        assert all(not any(g[4]) for g in gens), gens
+        assert gens[1][1] == 2 and gens[1][3] == 4  # the step in flight was lost, nothing else
+    assert results[2]["life"] == 1
+    # rank 0 in save, ranks 1 and 2 in a collective of their own: every rank says so, nobody loops
+    for r in results:
+        err = r["error"]
+        assert "different operations" in err, err
+        assert "rank 0 in save() (phase" in err, err
+        assert "ranks 1, 2 in a collective of fn" in err, err
+        assert "not on rank 0 only" in err
+        assert r["gens"][-1][1] == 3
+    assert len({r["error"] for r in results}) == 1  # the same verdict on every rank
+    # several workers on one host: one intra-op thread each (as torchrun does)
+    assert {(r["omp"], r["threads"]) for r in results} == {("1", 1)}
+
+
+def stall_worker() -> dict[str, Any]:
+    """Slot 1 hangs (SIGSTOP) at step 3 in every generation: the run stops instead of regrouping forever."""
+    _run.STALL_LIMIT = 2
+    slot = int(os.environ["ELASTIC_SLOT"])
+    state = Toy(w=torch.zeros(1))
+    out: dict[str, Any] = {"gens": []}
+
+    def train(s: Toy, world: Any) -> None:
+        out["gens"].append((world.generation, s.step))
+        while True:
+            world.check()
+            if slot == 1 and s.step == 3:
+                subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
+            g = torch.ones(1)
+            dist.all_reduce(g)
+            if s.step < 3:
+                s.step += 1
+
+    try:
+        elastic.run(train, state, min_workers=2, timeout=2, join_timeout=20)
+    except elastic.ElasticError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_generations_that_keep_failing_at_one_tenure_end_in_an_error_with_their_history() -> None:
+    results = elastic.spawn(stall_worker, 2, restart="worker", timeout=100)
+    err = results[0]["error"]
+    assert "2 generations in a row failed before a step completed, all at tenure 3" in err, err
+    assert "stopped heartbeating (dead or hung)" in err
+    assert [step for _, step in results[0]["gens"]][-2:] == [3, 3]
+
+
+def test_busy_keeps_heartbeating_past_timeout_and_tells_the_others_where_it_is() -> None:
+    from elastic._rendezvous import Rendezvous
+
+    rdzv = Rendezvous(
+        dist.HashStore(), "t", "0.a", join_timeout=timedelta(seconds=5), timeout=timedelta(seconds=1)
+    )
+    rdzv._last_progress = time.monotonic() - 10  # silent for ten timeouts: hung
+    assert not rdzv._making_progress(time.monotonic())
+    store = dist.HashStore()
+    gen = _run._Generation(store, FakeMembership(rank=1))
+    peer = _run._Generation(store, FakeMembership(rank=0))
+    world = _run.World(
+        rank=1,
+        size=2,
+        generation=3,
+        group=None,
+        rdzv=rdzv,
+        check_every=1,
+        leave_requested=lambda: False,
+        timeout=timedelta(seconds=1),
+        note=gen.note,
+    )
+    assert world.mesh is None
+    with world.busy("compile"):
+        rdzv._last_progress = time.monotonic() - 10
+        assert rdzv._making_progress(time.monotonic())
+        assert peer.notes() == {1: "world.busy('compile')"}
+    assert rdzv._making_progress(time.monotonic())  # leaving the block is progress
+    assert peer.notes() == {}
+    rdzv._last_progress = time.monotonic() - 10
+    world.progress()
+    assert rdzv._making_progress(time.monotonic())

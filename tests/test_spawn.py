@@ -522,3 +522,25 @@ def test_interrupting_a_worker_restart_spawn_leaves_no_worker(tmp_path: Path) ->
     assert proc.returncode == 0, err
     assert out.strip().splitlines()[-1] == "KeyboardInterrupt"
     assert [p for p in pids if _is_worker(p)] == []
+
+
+def test_workers_sharing_a_host_get_one_thread_each_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from elastic import _spawn
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_spawn, "_threads_said", False)
+    with caplog.at_level("WARNING", logger="elastic"):
+        with _spawn._worker_threads(3):
+            assert os.environ["OMP_NUM_THREADS"] == "1"
+        with _spawn._worker_threads(3):
+            assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in os.environ  # the caller's environment is as it was
+    said = [r.getMessage() for r in caplog.records if "OMP_NUM_THREADS=1" in r.getMessage()]
+    assert len(said) == 1 and "3 workers" in said[0]  # said once
+    with _spawn._worker_threads(1):
+        assert "OMP_NUM_THREADS" not in os.environ  # one worker: torch's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    with _spawn._worker_threads(3):
+        assert os.environ["OMP_NUM_THREADS"] == "4"  # the user's choice stays

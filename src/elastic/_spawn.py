@@ -692,8 +692,11 @@ def _spawn_workers(
                 if slot.done or slot.proc.poll() is None:
                     continue
                 code = slot.proc.returncode
+                # A dead worker's forked children (DataLoader workers) may hold its pipes open for seconds:
+                # a restart does not wait for them (the pumps go on copying what they print meanwhile).
+                restarting = slot.life < max_restarts and code != 0
                 for pump in slot.pumps:
-                    pump.join(timeout=5)
+                    pump.join(timeout=0.5 if restarting else 5)
                 if code == 0 and (tmp / f"result-{slot.life}-{slot.index}").exists():
                     slot.done = True
                     continue
