@@ -204,7 +204,7 @@ def evaluate(model: nn.Module, world: elastic.World) -> torch.Tensor:
     windows and one all-reduce adds them up."""
     model.eval()
     mine = list(range(world.rank, len(VAL), world.size))
-    with world.busy():  # a long evaluation (a first compile for eval mode) is progress, not a hang
+    with world.busy("eval"):  # a long evaluation (a first compile for eval mode) is progress, not a hang
         x, y = (torch.stack(t) for t in zip(*(VAL[i] for i in mine)))
         total = torch.stack([model(x, y) * y.numel(), torch.tensor(float(y.numel()))])
     model.train()
@@ -266,8 +266,8 @@ def train(state: TrainState, world: elastic.World, model: nn.Module, opts: Optio
         lr = learning_rate(state.step, opts.steps)
         for group in state.optimizer.param_groups:
             group["lr"] = lr
-        # A compiled model compiles on its first step (again in a new generation: DDP is new): progress.
-        with world.busy() if opts.compile and first else contextlib.nullcontext():
+        # A generation's first step may compile (a newcomer's does; a new world may recompile): progress.
+        with world.busy("compile") if opts.compile and first else contextlib.nullcontext():
             for micro in range(ACCUMULATION):
                 x, y = next(batches)
                 last = micro == ACCUMULATION - 1
