@@ -9,13 +9,18 @@ and rejoins. Measured per failure, from the worker's own timestamps:
   the survivors complete after regrouping (median, max), steps redone, and the joiner's admission latency
   (from its call of ``run`` to the start of its first generation). At the end one worker gets SIGTERM:
   the departure's cost in steps and seconds.
+- elastic with loader workers: the same, each worker's batches coming from a ``DataLoader(num_workers=2)``
+  (``--loader-workers``; forked, Linux's default), whose workers are alive at every kill. A killed
+  worker's loader workers inherit its gloo connections and live on until their parent check (every 5 s);
+  `elastic.run` makes forked children drop them (`elastic._fork`), so the survivors see the EOF at once.
 - torchrun: ``--max-restarts`` restarts every worker, which resume from the last checkpoint (every 20
   steps): seconds from the kill to the first step completed after the restart, and steps lost.
 - torchft 0.2.0 (the ``bench`` extra): one replica group per worker, gloo, its Lighthouse in this process
   tuned (``join_timeout_ms=1000, quorum_tick_ms=100``) and with its defaults: seconds from the kill to the
   survivors' first committed step after it, and steps lost.
 
-    python benchmarks/bench_recovery.py [--kills 10] [--seed 0] [--skip-torchft] [--skip-torchrun]
+    python benchmarks/bench_recovery.py [--kills 10] [--seed 0] [--loader-workers 2] [--skip-torchft]
+        [--skip-torchrun]
 
 Not a timed test: it prints a table (the README's "Recovery" section).
 """
@@ -72,9 +77,29 @@ def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :OUT].sin()
 
 
-def grad_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, size: int) -> None:
+class StepData(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``data(first + i, rank)`` as a dataset, for a DataLoader whose workers make the batches."""
+
+    def __init__(self, first: int, rank: int) -> None:
+        self.first, self.rank = first, rank
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return data(self.first + i, self.rank)
+
+
+def grad_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    rank: int,
+    size: int,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Forward, backward, all-reduce of the gradients (one flat bucket, as DDP does), optimizer step."""
-    x, y = data(step, rank)
+    x, y = data(step, rank) if batch is None else batch
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -136,7 +161,7 @@ class State:
     term_at: int = -1  # the step of the SIGTERM departure
 
 
-def elastic_worker(root: str, kill_steps: list[int]) -> Any:
+def elastic_worker(root: str, kill_steps: list[int], loader_workers: int = 0) -> Any:
     slot, life = int(os.environ["ELASTIC_SLOT"]), int(os.environ["ELASTIC_SLOT_RESTARTS"])
     log = Log(root, slot, life)
     model = make_model()
@@ -144,6 +169,12 @@ def elastic_worker(root: str, kill_steps: list[int]) -> Any:
 
     def train(s: State, world: elastic.World) -> int:
         log("gen", s.step, world.size)
+        batches = None
+        if loader_workers:  # this generation's steps, from s.step on, made by the loader's workers
+            loader = torch.utils.data.DataLoader(
+                StepData(s.step, world.rank), batch_size=None, num_workers=loader_workers
+            )
+            batches = iter(loader)
         while s.term_at < 0 or s.step < s.term_at + AFTER:
             world.check()
             if s.kills < len(kill_steps) and s.step >= kill_steps[s.kills] and world.size == 3:
@@ -156,7 +187,8 @@ def elastic_worker(root: str, kill_steps: list[int]) -> Any:
                 if slot == 0:
                     log("term", s.step, world.size)
                     os.kill(os.getpid(), signal.SIGTERM)  # leaves at the next check(), with the others
-            grad_step(s.model, s.optimizer, s.step, world.rank, world.size)
+            batch = None if batches is None else next(batches)
+            grad_step(s.model, s.optimizer, s.step, world.rank, world.size, batch)
             s.step += 1
             log("done", s.step, world.size)
         return s.step
@@ -165,14 +197,14 @@ def elastic_worker(root: str, kill_steps: list[int]) -> Any:
     return elastic.run(train, state, timeout=30)
 
 
-def bench_elastic(kill_steps: list[int]) -> dict[str, Any]:
+def bench_elastic(kill_steps: list[int], loader_workers: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         started = time.monotonic()
         with quiet(root):
             elastic.spawn(
                 elastic_worker,
                 3,
-                args=(root, kill_steps),
+                args=(root, kill_steps, loader_workers),
                 restart="worker",
                 max_restarts=len(kill_steps),
                 timeout=900,
@@ -378,6 +410,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--loader-workers", type=int, default=2, help="DataLoader workers per worker in its row (0: no row)"
+    )
     parser.add_argument("--skip-torchft", action="store_true")
     parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument("--torchrun-worker", metavar="ROOT", help=argparse.SUPPRESS)
@@ -396,6 +431,14 @@ def main() -> None:
         f"{e['term_pause']:.2f} s between the survivors' steps around it",
         flush=True,
     )
+    if args.loader_workers:
+        e = bench_elastic(kill_steps, args.loader_workers)
+        results[f"elastic.run, DataLoader(num_workers={args.loader_workers}) in each worker"] = e
+        print(
+            f"elastic with loader workers: joiner admitted {statistics.median(e['admission']):.2f} s median "
+            f"(max {max(e['admission']):.2f}) after calling run",
+            flush=True,
+        )
     if not args.skip_torchrun:
         results[f"torchrun restart, checkpoint every {CKPT_EVERY}"] = bench_torchrun(kill_steps)
     if not args.skip_torchft:

@@ -709,6 +709,85 @@ def test_strict_and_non_strict_schema_changes(tmp_path: Path) -> None:
         elastic.load(V3(), tmp_path, strict=False)
 
 
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Restarted:
+    """A training script's state whose best loss starts as a float and becomes a 0-d tensor."""
+
+    model: Any = None
+    step: int = 0
+    best_val_loss: Any = float("inf")
+    hist: Any = attrs.field(factory=dict)
+
+
+def _kind(v: Any) -> Any:
+    return (type(v).__name__, v.dtype, v.tolist()) if isinstance(v, torch.Tensor) else (type(v).__name__, v)
+
+
+def test_a_plain_field_loads_whatever_its_kind_was_when_saved(tmp_path: Path) -> None:
+    saved = Restarted(
+        step=7, best_val_loss=torch.tensor(0.25, dtype=torch.float64), hist={"val": torch.ones(2)}
+    )
+    elastic.save(saved, tmp_path / "tensor")
+    fresh = Restarted(hist={"val": 0.5, "n": torch.tensor(3)})
+    hist = fresh.hist
+    report = elastic.load(fresh, tmp_path / "tensor", strict=True)  # plain data: no trusted=True
+    assert (report.source, report.tenure) == ("checkpoint", 7)
+    assert _kind(fresh.best_val_loss) == ("Tensor", torch.float64, 0.25)
+    assert fresh.best_val_loss.shape == () and not fresh.best_val_loss.is_inference()
+    assert fresh.hist is hist and {k: _kind(v) for k, v in hist.items()} == {
+        "val": ("Tensor", torch.float32, [1.0, 1.0])
+    }
+    # a tensor of the same shape and dtype is written in place
+    mine = torch.zeros((), dtype=torch.float64)
+    again = Restarted(best_val_loss=mine)
+    elastic.load(again, tmp_path / "tensor")
+    assert again.best_val_loss is mine and mine.item() == 0.25
+    # and back: floats saved, tensors held
+    elastic.save(Restarted(step=8, best_val_loss=0.125, hist={"val": [1.5]}), tmp_path / "float")
+    elastic.load(again, tmp_path / "float", strict=True)
+    assert (_kind(again.best_val_loss), again.hist) == (("float", 0.125), {"val": [1.5]})
+    # a structured field is no plain one: a tensor saved where this state holds a module is refused
+    with pytest.raises(
+        elastic.CheckpointMismatchError, match="holds a tensor in the checkpoint but a module"
+    ):
+        elastic.load(Restarted(best_val_loss=torch.nn.Linear(2, 2)), tmp_path / "tensor")
+    with pytest.raises(elastic.CheckpointMismatchError, match="holds None in the checkpoint but a module"):
+        elastic.load(Restarted(model=torch.nn.Linear(2, 2)), tmp_path / "tensor")
+
+
+def _restart(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # the run before the restart: every rank's best loss had become a 0-d tensor
+    s = Restarted(
+        torch.nn.Linear(2, 2), step=7, best_val_loss=torch.tensor(0.25), hist={"val": torch.ones(2)}
+    )
+    elastic.save(s, f"{root}/tensor", timeout=30)
+    # torchrun restarts every worker: each builds a fresh state of floats; one reads, the others receive
+    fresh = Restarted(torch.nn.Linear(2, 2), hist={"val": 0.5})
+    report = elastic.load(fresh, f"{root}/tensor", strict=True, timeout=30)
+    out["tensor"] = (report.source, report.tenure, _kind(fresh.best_val_loss), _kind(fresh.hist["val"]))
+    # and back: a checkpoint of floats, workers built with tensors
+    s = Restarted(torch.nn.Linear(2, 2), step=8, best_val_loss=0.125, hist={"val": 1.5})
+    elastic.save(s, f"{root}/float", timeout=30)
+    fresh = Restarted(torch.nn.Linear(2, 2), best_val_loss=torch.tensor(9.0), hist={"val": torch.zeros(2)})
+    report = elastic.load(fresh, f"{root}/float", strict=True, timeout=30)
+    out["float"] = (report.source, report.tenure, _kind(fresh.best_val_loss), _kind(fresh.hist["val"]))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_resumes_from_a_checkpoint_whose_plain_field_changed_kind(tmp_path: Path) -> None:
+    for r in run_on_ranks(_restart, world=2, args=(str(tmp_path),)):
+        assert r["tensor"] == (
+            "checkpoint",
+            7,
+            ("Tensor", torch.float32, 0.25),
+            ("Tensor", torch.float32, [1.0, 1.0]),
+        )
+        assert r["float"] == ("checkpoint", 8, ("float", 0.125), ("float", 1.5))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Retention, temporary directories, writer errors
 

@@ -405,25 +405,152 @@ def test_a_failed_init_leaves_the_group_counter_and_excepthook_as_they_were() ->
         sys.excepthook = hook
 
 
-def test_failures_count_as_a_peers_only_with_evidence() -> None:
-    store = dist.HashStore()
-    gen = _run._Generation(store, FakeMembership())
-    healthy = FakeRendezvous({"a", "b"})
-    assert _run._evidence(ValueError("bad shape"), healthy, gen, probe=5.0) is None  # not a collective's
-    started = time.monotonic()
-    assert _run._evidence(RuntimeError("plain bug"), healthy, gen, probe=0.2) is None
-    assert time.monotonic() - started >= 0.2  # it looked for evidence for the whole probe
-    broken = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
-    assert _run._evidence(broken, healthy, gen, probe=5.0) == "a peer closed its connection"
+def _judge(exc: BaseException, rdzv: Any, gen: Any, probe: float = 5.0) -> str:
+    gen.record(_run.where_of(exc))
+    return _run._judge(exc, rdzv, gen, probe, timedelta(seconds=5))
+
+
+def test_a_failure_is_a_peers_only_with_evidence_and_different_places_are_the_scripts() -> None:
     timed_out = RuntimeError("Timed out waiting 3000ms for recv operation to complete")
-    why = _run._evidence(timed_out, FakeRendezvous({"a"}), gen, probe=5.0)
-    assert why == "rank(s) [1] stopped heartbeating (dead or hung)"
-    wrapped = elastic.SyncError("sync failed in phase 'objects'", phase="objects")
-    peer = _run._Generation(store, FakeMembership(rank=1))
+    healthy = FakeRendezvous({"a", "b"})
+
+    def pair() -> tuple[Any, Any]:
+        store = dist.HashStore()
+        return _run._Generation(store, FakeMembership()), _run._Generation(store, FakeMembership(rank=1))
+
+    # every member present, one place for all (nobody gone): nobody's failure, the exception propagates
+    gen, peer = pair()
+    peer.record(_run.IN_FN)
+    assert _judge(RuntimeError("plain bug"), healthy, gen) == _run.OWN
+    assert peer.verdict(None) == _run.OWN  # written for the others: everyone adopts the first verdict
+    # a member that records nothing and has no failure of its own after the probe: it was elsewhere
+    gen, peer = pair()
+    started = time.monotonic()
+    verdict = _judge(timed_out, healthy, gen, probe=0.2)
+    assert time.monotonic() - started >= 0.2  # it waited for the member for the whole probe
+    assert verdict.startswith(_run.MISMATCH)
+    assert f"rank 0 in {_run.IN_FN}; rank 1 in {_run.RUNNING}" in verdict
+    # rank 0 in save's election, rank 1 in DDP's all-reduce: the script's bug, named on every rank
+    gen, peer = pair()
+    peer.record(_run.IN_FN)
+    saving = elastic.SyncError("save timed out in phase 'save-elect'", phase="save-elect", op="save")
+    verdict = _judge(saving, healthy, gen)
+    assert verdict.startswith(_run.MISMATCH)
+    assert "rank 0 in save() (phase 'save-elect'); rank 1 in a collective of fn" in verdict
+    assert "not on rank 0 only" in verdict
+    # a member in world.busy() while this one waited in a collective
+    gen, peer = pair()
+    peer.note("world.busy('compile')")
+    verdict = _judge(timed_out, healthy, gen)
+    assert "rank 1 in world.busy('compile')" in verdict
+    # a member whose heartbeat stopped and who records nothing: dead or hung
+    gen, peer = pair()
+    why = _judge(timed_out, FakeRendezvous({"a"}), gen)
+    assert why == _run.REGROUP + "rank(s) [1] stopped heartbeating (dead or hung)"
+    # ... but one that records where it was is alive, whatever its heartbeat said a moment ago
+    gen, peer = pair()
+    peer.record(_run.IN_FN)
+    assert _judge(timed_out, FakeRendezvous({"a"}), gen) == _run.OWN
+    # a member whose process exited (same host): at once
+    gen, peer = pair()
+    gone = FakeRendezvous({"a", "b"})
+    gone.exited = lambda: {"b"}  # type: ignore[attr-defined]
+    assert _judge(timed_out, gone, gen) == _run.REGROUP + "rank(s) [1] exited"
+    # a member that left with its own exception
+    gen, peer = pair()
     peer.announce("raised ValueError")
-    assert (
-        _run._evidence(wrapped, healthy, gen, probe=5.0) == "rank 1 left the generation (raised ValueError)"
+    wrapped = elastic.SyncError("sync failed in phase 'objects'", phase="objects", op="sync")
+    assert _judge(wrapped, healthy, gen) == _run.REGROUP + "rank 1 left the generation (raised ValueError)"
+    # a verdict written first by a peer is adopted as it is
+    gen, peer = pair()
+    peer.verdict(_run.REGROUP + "rank(s) [2] exited")
+    assert _judge(timed_out, healthy, gen) == _run.REGROUP + "rank(s) [2] exited"
+    # where a rank was, from its exception
+    assert _run.where_of(ValueError("x")) == _run.IN_FN
+    assert _run.where_of(saving) == "save() (phase 'save-elect')"
+    tagged = RuntimeError("gloo")
+    tagged._elastic_where = "world.check()"  # type: ignore[attr-defined]
+    try:
+        raise elastic.SyncError("outer") from tagged
+    except elastic.SyncError as outer:
+        assert _run.where_of(outer) == "world.check()"
+
+
+def test_generations_failing_at_one_tenure_end_with_their_history() -> None:
+    stalls = _run._Stalls(3)
+    assert stalls.failed(0, 5, 5, "rank(s) [1] exited") is None
+    assert stalls.failed(1, 5, 7, "rank(s) [1] exited") is None  # steps completed: no stall
+    assert stalls.history == []
+    assert stalls.failed(2, 7, 7, "a") is None
+    assert stalls.failed(3, 7, 7, "b") is None
+    err = stalls.failed(4, 7, 7, "c")
+    assert isinstance(err, elastic.ElasticError)
+    text = str(err)
+    assert "3 generations in a row failed before a step completed, all at tenure 7" in text
+    assert "generation 2: a\n  generation 3: b\n  generation 4: c" in text
+    stalls = _run._Stalls(2)
+    assert stalls.failed(0, 3, 3, "a") is None
+    assert stalls.failed(1, 4, 4, "b") is None  # another tenure: counting starts again
+    assert stalls.history == ["generation 1: b"]
+    stalls.succeeded()
+    assert stalls.history == []
+    assert stalls.failed(2, [1], [1], "x") is None  # lists compare; incomparable tenures count nothing
+    assert _run._Stalls(1).failed(0, float("nan"), float("nan"), "y") is None
+
+
+def test_grads_are_cleared_in_modules_optimizers_and_nested_states() -> None:
+    model = torch.nn.Linear(3, 2)
+    other = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    other(torch.ones(1, 2)).sum().backward()
+    state = Holder(model=model, optimizer=opt, extra={"m": [other]})
+    assert _run.clear_grads(state) == 4
+    assert all(p.grad is None for p in [*model.parameters(), *other.parameters()])
+    assert _run.clear_grads(state) == 0
+
+
+@attrs.define
+class Holder:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    extra: dict
+
+
+def test_workers_are_ranked_by_their_stable_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic import _rendezvous
+
+    monkeypatch.setenv("ELASTIC_SLOT", "7")
+    pid = _run._participant_id()
+    assert _rendezvous.order_of(pid) == 7
+    monkeypatch.delenv("ELASTIC_SLOT")
+    monkeypatch.setenv("RANK", "3")
+    assert _rendezvous.order_of(_run._participant_id()) == 3
+    monkeypatch.delenv("RANK")
+    assert _rendezvous.order_of(_run._participant_id()) is None
+    # joined in the order 2, 0, 1: ranked 0, 1, 2; ids without an order keep theirs, after
+    assert _rendezvous.ranked(["2.h-1", "x.h-9", "0.h-2", "1.h-3", "x.h-8"]) == (
+        "0.h-2",
+        "1.h-3",
+        "2.h-1",
+        "x.h-9",
+        "x.h-8",
     )
+    log = _rendezvous.Log(joined=("2.h", "0.h", "1.h"))
+    assert _rendezvous.decide(
+        (), log, alive=lambda p: True, ready=lambda p: True, min_workers=1, max_workers=9, quiet=True
+    ) == ("0.h", "1.h", "2.h")
+    # max_workers still prefers the previous members, then ranks the chosen ones
+    log = _rendezvous.Log(joined=("0.new", "2.old", "1.old"))
+    assert _rendezvous.decide(
+        ("1.old", "2.old"),
+        log,
+        alive=lambda p: True,
+        ready=lambda p: True,
+        min_workers=1,
+        max_workers=2,
+        quiet=False,
+    ) == ("1.old", "2.old")
 
 
 def test_check_exchanges_the_flag_every_check_every_calls(single_group: Any) -> None:
@@ -523,6 +650,10 @@ def test_bad_arguments() -> None:
         elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", min_workers=3, max_workers=2)
     with pytest.raises(ValueError, match="check_every"):
         elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", check_every=0)
+    with pytest.raises(ValueError, match=r"first_workers=\.\.\.\) must be an int >= 2"):
+        elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", min_workers=2, first_workers=1)
+    with pytest.raises(ValueError, match="must not exceed max_workers=3"):
+        elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", max_workers=3, first_workers=4)
     with pytest.raises(TypeError):
         elastic.run(lambda s, w: None, object(), rdzv="127.0.0.1:1")
     with pytest.raises(ValueError, match="restart"):

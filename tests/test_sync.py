@@ -779,3 +779,145 @@ def test_kept_layouts_see_every_change_to_the_tensors() -> None:
     assert r1["tied"]
     assert r0["untied"]["bytes"] == r1["untied"]["bytes"] == (16 + 4 + 16 + 4 + 6) * 4
     assert r0["tied later"]["bytes"] == r1["tied later"]["bytes"] == (16 + 4 + 4 + 6) * 4
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Kinds of plain fields: a plain field takes the elected value whatever its kind; structured ones must agree.
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Losses:
+    step: int = 0
+    val: Any = 0.0
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Kinds:
+    model: Any
+    step: int = 0
+    best_val_loss: Any = float("inf")
+    hist: Any = attrs.field(factory=dict)
+    seq: Any = (0.0, 0.0)
+    losses: Any = attrs.field(factory=Losses)
+
+
+def _value(v: Any) -> Any:
+    return (type(v).__name__, v.dtype, v.tolist()) if isinstance(v, torch.Tensor) else (type(v).__name__, v)
+
+
+def _kinds(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    s = Kinds(torch.nn.Linear(2, 2))
+    hist = s.hist
+    # 1) rank 2 trained: its best loss became a 0-d tensor (losses['val']), containers hold other kinds;
+    #    ranks 0 and 1 are fresh workers holding the floats they were built with
+    if rank == 2:
+        s.step = 3
+        s.best_val_loss = torch.tensor(0.25, dtype=torch.float64)
+        s.hist.update(val=torch.tensor([1.0, 2.0]), n=2)
+        s.seq = [torch.ones(2), "x"]
+        s.losses.val = torch.tensor(7)
+    else:
+        s.hist.update(val=0.5, n=torch.tensor(5))
+    with torch.inference_mode():  # allocated tensors are ordinary ones all the same
+        report = elastic.sync(s, timeout=30)
+    best = s.best_val_loss
+    out["best"] = (*_value(best), tuple(best.shape), best.is_inference(), best.requires_grad)
+    out["hist"] = (s.hist is hist, {k: _value(v) for k, v in s.hist.items()})
+    out["seq"] = [_value(v) for v in s.seq] + [type(s.seq).__name__]
+    out["losses"] = _value(s.losses.val)
+    out["moved"] = (report.src, report.tensor_bytes)
+    elastic.verify(s)
+    # 2) the replicas agree now: nothing moves; a tensor of the same shape, dtype and device is written in
+    #    place (rank 2 holds a new tensor object, the receivers keep theirs)
+    out["fast"] = elastic.sync(s).tensor_bytes
+    mine = s.best_val_loss
+    if rank == 2:
+        s.step, s.best_val_loss = 4, torch.tensor(0.125, dtype=torch.float64)
+    elastic.sync(s)
+    out["in place"] = (s.best_val_loss is mine, s.best_val_loss.item())
+    # 3) and back: the source holds floats again
+    if rank == 2:
+        s.step, s.best_val_loss, s.hist, s.losses.val = 5, 0.0625, {"val": 1.5}, 3.5
+    elastic.sync(s)
+    out["back"] = (_value(s.best_val_loss), s.hist, _value(s.losses.val))
+    # 4) rank 1 restarts at the same tenure, as a fresh worker holding floats, while ranks 0 and 2 trained
+    #    on to a tensor: its lineage differs, so it receives even though every tenure is equal
+    if rank == 1:
+        s = Kinds(torch.nn.Linear(2, 2), step=5)
+    else:
+        s.best_val_loss = torch.tensor(0.03125)
+    report = elastic.sync(s)
+    out["restart"] = (report.src, report.tensor_bytes > 0, _value(s.best_val_loss))
+    # 5) broadcast_state from a rank whose field holds a float again
+    if rank == 1:
+        s.best_val_loss = 2.0
+    elastic.broadcast_state(s, 1)
+    out["broadcast"] = _value(s.best_val_loss)
+    # 6) load's in-memory branch (no checkpoint under root): rank 0's tensor wins
+    if rank == 0:
+        s.step, s.best_val_loss = 6, torch.tensor([9.0])
+    loaded = elastic.load(s, root)
+    out["load"] = (loaded.source, loaded.src, _value(s.best_val_loss))
+    # 7) kinds that differ after all (no sync since) are a divergence, named
+    if rank == 0:
+        s.best_val_loss = [9.0]
+    try:
+        elastic.verify(s)
+        out["diverged"] = None
+    except elastic.DivergenceError as exc:
+        out["diverged"] = str(exc)
+    elastic.sync(s, force=True)
+
+    # 8) structure must still agree: a module of another shape on rank 1, no module on rank 2 (and another
+    #    kind in a plain field, which is no mismatch): every rank raises before anything moves
+    def attempt(key: str, state: Any) -> None:
+        try:
+            elastic.sync(state, timeout=20)
+            out[key] = None
+        except elastic.ElasticError as exc:
+            out[key] = (type(exc).__name__, str(exc))
+        out[key + " kept"] = (elastic.tenure(state), _value(state.best_val_loss))
+
+    other = Kinds(torch.nn.Linear(2, 2 + (rank == 1)), step=10 + rank, best_val_loss=float(rank))
+    attempt("shapes", other)
+    attempt("no module", Kinds(None if rank == 2 else torch.nn.Linear(2, 2), step=10 + rank))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_plain_fields_take_the_elected_value_whatever_its_kind(tmp_path: Any) -> None:
+    results = run_on_ranks(_kinds, 3, args=(str(tmp_path / "empty"),))
+    for r in results:
+        assert r["best"] == ("Tensor", torch.float64, 0.25, (), False, False)
+        assert r["hist"][1] == {"val": ("Tensor", torch.float32, [1.0, 2.0]), "n": ("int", 2)}
+        assert r["seq"] == [("Tensor", torch.float32, [1.0, 1.0]), ("str", "x"), "list"]
+        assert r["losses"] == ("Tensor", torch.int64, 7)
+        assert r["fast"] == 0
+        assert r["in place"][1] == 0.125
+        assert r["back"] == (("float", 0.0625), {"val": 1.5}, ("float", 3.5))
+        assert r["restart"] == (0, True, ("Tensor", torch.float32, 0.03125))
+        assert r["broadcast"] == ("float", 2.0)
+        assert r["load"] == ("memory", 0, ("Tensor", torch.float32, [9.0]))
+        assert (
+            "best_val_loss (objects): rank 0 vs ranks 1, 2" in r["diverged"]
+        )  # a list on rank 0, tensors elsewhere
+        assert "best_val_loss: no tensor on rank 0 vs ranks 1, 2" in r["diverged"]
+        assert "hist" not in r["diverged"] and "losses" not in r["diverged"]
+    # the model's 6 floats, the loss (float64), the history's 2 floats, the sequence's 2, the int64 loss
+    assert [r["moved"] for r in results] == [(2, 6 * 4 + 8 + 2 * 4 + 2 * 4 + 8)] * 3
+    assert results[0]["hist"][0] and results[1]["hist"][0]  # the receivers' own dicts, updated
+    assert results[0]["in place"][0] and results[1]["in place"][0]
+    for rank, r in enumerate(results):
+        kind, msg = r["shapes"]
+        assert kind == "StateMismatchError" and "nothing was moved" in msg
+        assert "field 'model': weight: shape (2, 2) torch.float32 on ranks 0, 2, shape (3, 2)" in msg
+        assert "best_val_loss" not in msg and "construct the model identically everywhere" in msg
+        assert r["shapes kept"] == (10 + rank, ("float", float(rank)))
+        kind, msg = r["no module"]
+        assert kind == "StateMismatchError" and "module with 2 tensors on ranks 0, 1; none on rank 2" in msg
+        assert "build the field's module" in msg and "cannot build one" in msg
+        assert "construct the model identically" not in msg

@@ -23,6 +23,7 @@ from elastic._tree import (
     flatten,
     kind_of,
     path_str,
+    strict_schema,
     tensor_index,
 )
 
@@ -220,9 +221,72 @@ def test_schema_digests() -> None:
     _, fb2 = field_digests(b)
     diff = [x[0] for x, y in zip(fa, fb2) if not compatible(x, y)]
     assert diff == ["model"]
-    # None is compatible with kinds a receiver can build, not with a module
-    assert compatible(("ema", "none", "x"), ("ema", "tensor", "y"))
-    assert not compatible(("model", "none", "x"), ("model", "module", "y"))
+    # None is compatible with the kinds of plain values, not with a module
+    b.ema, b.model = None, None
+    _, fb3 = field_digests(b)
+    assert [x[0] for x, y in zip(fa, fb3) if not compatible(x, y)] == ["model"]
+
+
+@elastic.elastic_state(tenure="step")
+@attrs.define
+class Kinds:
+    step: int = 0
+    model: Any = None
+    opt: Any = None
+    sched: Any = None
+    inner: Any = None
+    best: Any = float("inf")
+
+
+def test_plain_kinds_are_not_in_the_schema_structured_ones_are() -> None:
+    model = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    step_lr = torch.optim.lr_scheduler.StepLR(sgd, step_size=1)
+    sampler = elastic.ElasticSampler(list(range(8)), batch_size=2)
+
+    def digests(**values: Any) -> dict[str, str]:
+        defaults = {"model": model, "opt": sgd, "sched": step_lr, "inner": Inner(0, torch.zeros(2))}
+        return {n: d for n, _, d in field_digests(Kinds(**{**defaults, **values}))[1]}
+
+    base = digests()
+    # a plain field takes the source's value whatever its kind: a float that became a 0-d tensor, None,
+    # containers of mixed kinds, generators, functions; a nested state's plain fields likewise
+    for best in [
+        torch.tensor(0.5),
+        None,
+        [0.5, torch.ones(2)],
+        {"val": torch.tensor(0.5)},
+        (torch.ones(1), "x"),
+    ]:
+        assert digests(best=best) == base, best
+    assert digests(best=torch.Generator(), step=torch.tensor(3)) == base
+    assert digests(best=lambda: 0, inner=Inner(torch.tensor(0), [1.0])) == base
+    assert dict((n, k) for n, k, _ in field_digests(Kinds(best=torch.tensor(0.5)))[1])["best"] == "tensor"
+    # structured fields keep their kind, class and layout in the digest
+    for field, value in [
+        ("model", None),
+        ("model", torch.ones(2)),
+        ("model", torch.nn.Linear(2, 3)),
+        ("opt", None),
+        ("opt", torch.optim.Adam(model.parameters())),
+        ("sched", None),
+        ("sched", torch.optim.lr_scheduler.ExponentialLR(sgd, gamma=0.5)),
+        ("sched", sampler),
+        ("inner", None),
+        ("inner", Kinds()),
+        ("inner", 0.5),
+    ]:
+        changed = digests(**{field: value})
+        assert {n for n in base if base[n] != changed[n]} == {field}, (field, value)
+    # a nested state's structured fields too
+    nested = digests(inner=Kinds(model=model))
+    assert nested["inner"] != digests(inner=Kinds(model=torch.nn.Linear(2, 3)))["inner"]
+    assert nested["inner"] == digests(inner=Kinds(model=model, best=torch.ones(1)))["inner"]
+    assert strict_schema(("tensor",)) == strict_schema(("none",)) == strict_schema(("rng", "random.Random"))
+    assert strict_schema(("stateful", "StepLR")) == ("stateful", "StepLR")
+    # a module inside a container is the receiver's to build: applying says so
+    with pytest.raises(TypeError, match=r"value\.m: the source holds a module here and this rank a NoneType"):
+        copy_state(Box(1, {"m": torch.nn.Linear(2, 2)}), Box(0, 0.5))
 
 
 @pytest.mark.parametrize(
@@ -457,6 +521,8 @@ def same(a: Any, b: Any) -> bool:
 @given(src_value=values, dst_value=values)
 def test_round_trip_property(src_value: Any, dst_value: Any) -> None:
     src, dst = Box(1, src_value), Box(0, dst_value)
+    # whatever the kinds on either side, the schemas agree: the receiver takes the source's value
+    assert all(compatible(a, b) for a, b in zip(field_digests(src)[1], field_digests(dst)[1]))
     copy_state(src, dst)
     assert same(src.value, dst.value)
     assert same(src.value, src_value)  # the source is untouched

@@ -283,6 +283,10 @@ def _saved_kind(node: Any) -> str:
     return "none" if node is None else "object"
 
 
+def _a(kind: str) -> str:
+    return "None" if kind == "none" else f"a {kind}"
+
+
 def _reconcile(
     node: StateNode,
     state: Any,
@@ -303,10 +307,11 @@ def _reconcile(
         current = getattr(state, name)
         where = path_str((*path, name))
         have, want = kind_of(current), _saved_kind(child)
-        if have != want and (have in _STATEFUL or want in _STATEFUL):
+        if have != want and (have in _STATEFUL or want in _STATEFUL):  # plain values of any kind load
             msg = (
-                f"{directory}: field {where} holds a {want} in the checkpoint but a {have} in this state; "
-                "build the state with the same kinds of values as the one that was saved"
+                f"{directory}: field {where} holds {_a(want)} in the checkpoint but {_a(have)} in this "
+                "state; build the field as the saved state did (a module, optimizer, scheduler or nested "
+                "state is loaded into in place, never built by load; plain values load whatever their kind)"
             )
             raise Refused("mismatch", msg)
         if isinstance(child, StateNode):

@@ -123,7 +123,7 @@ class Comm:
                 f"{self.op} failed in phase '{phase}' on rank {self.rank}: {text}. A peer probably died; "
                 "re-form the process group (or let torchrun restart the workers) and sync again"
             )
-        return SyncError(msg, phase=phase)
+        return SyncError(msg, phase=phase, op=self.op)
 
     def run(self, phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Issue a collective (`async_op=True` is added) and wait for it."""

@@ -31,9 +31,11 @@ class TenureError(ElasticError):
 class SyncError(ElasticError):
     """A collective transfer failed or timed out; the message names the phase and the rank."""
 
-    def __init__(self, msg: str, *, phase: str | None = None) -> None:
+    def __init__(self, msg: str, *, phase: str | None = None, op: str | None = None) -> None:
         super().__init__(msg)
         self.phase = phase
+        #: the library call that failed ("sync", "save", ...), when known
+        self.op = op
 
 
 class CheckpointError(ElasticError):

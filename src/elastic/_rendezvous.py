@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Protocol, TypeVar, cast
 
@@ -157,8 +157,9 @@ def decide(
     proposer's view of the heartbeats, `alive(p)`: p may still come (its heartbeat is fresh), `ready(p)`:
     p may be a member (fresh and seen beating); `quiet`: the log has not changed for a last call.
 
-    Members: the joined participants that are ready, previous members first (in their previous rank
-    order) then newcomers in join order, at most `max_workers`. The round closes as soon as every live
+    Members: the joined participants that are ready, at most `max_workers` (previous members are chosen
+    first, in their previous rank order, then newcomers in join order), ranked by the stable order their
+    ids carry (`ranked`). The round closes as soon as every live
     previous member has joined and every live joiner is ready (no wait for the dead); a round no
     previous member has joined (the first, or after every member died) closes after a quiet last call,
     so that workers starting together form one generation.
@@ -172,12 +173,30 @@ def decide(
     if unsure and len(ordered) < max_workers:
         return None
     if len(ordered) >= max_workers:
-        return tuple(ordered[:max_workers])
+        return ranked(ordered[:max_workers])
     if len(ordered) < min_workers:
         return None
     if not any(p in prev for p in ordered) and not quiet:
         return None
-    return tuple(ordered)
+    return ranked(ordered)
+
+
+def order_of(p: str) -> int | None:
+    """The stable order a participant id carries (``"<n>.<rest>"``: its launcher slot or rank), or None."""
+    head, dot, _ = p.partition(".")
+    return int(head) if dot and head.isdigit() else None
+
+
+def ranked(chosen: list[str]) -> tuple[str, ...]:
+    """`chosen` in rank order: by the stable order the ids carry (`order_of`: a slot, a launcher rank), so
+    that two runs started alike rank their workers alike whatever order they joined in (the election
+    breaks tenure ties by rank); ids without one keep their order, after those with one."""
+
+    def key(item: tuple[int, str]) -> tuple[bool, int, int]:
+        order = order_of(item[1])
+        return (order is None, order if order is not None else 0, item[0])
+
+    return tuple(p for _, p in sorted(enumerate(chosen), key=key))
 
 
 def pending_from(raw: bytes, members: tuple[str, ...], max_workers: int) -> bool:
@@ -309,6 +328,7 @@ class Rendezvous:
     within 0.05..0.1 s); a participant whose counter did not change for `expiry` (default 6 periods) is
     dead to the others, but one that `announce()`d it is on its way to the next round is waited for
     `grace` (default 5 expiries: its abort and garbage collection may hold the GIL for a while).
+    `first_workers` (default `min_workers`): how many members the first generation (round 0) needs.
     `last_call` (default 1 s): how long a round that no previous member joined waits for more joiners
     once `min_workers` are there (closes at once with `max_workers`).
     """
@@ -321,6 +341,7 @@ class Rendezvous:
         *,
         min_workers: int = 1,
         max_workers: int | None = None,
+        first_workers: int | None = None,
         join_timeout: timedelta,
         timeout: timedelta,
         address: str = "",
@@ -335,16 +356,20 @@ class Rendezvous:
                 f"start with '+', '-' or '~'; use for instance 'host-pid'"
             )
             raise ElasticError(msg)
-        if min_workers < 1 or (max_workers is not None and max_workers < min_workers):
+        first = min_workers if first_workers is None else first_workers
+        top = max_workers if max_workers is not None else first
+        if not 1 <= min_workers <= first <= top:
+            given = "" if first_workers is None else f", first_workers={first_workers}"
             msg = (
-                f"elastic: min_workers={min_workers}, max_workers={max_workers}: need 1 <= min_workers <= "
-                f"max_workers"
+                f"elastic: min_workers={min_workers}{given}, max_workers={max_workers}: need 1 <= "
+                f"min_workers <= first_workers <= max_workers"
             )
             raise ElasticError(msg)
         self.run_id = run_id
         self.participant = participant
         self.min_workers = min_workers
         self.max_workers = max_workers if max_workers is not None else 1 << 30
+        self.first_workers = first_workers if first_workers is not None else min_workers
         self.join_timeout = _seconds(join_timeout)
         self.timeout = _seconds(timeout)
         self.address = address
@@ -362,6 +387,7 @@ class Rendezvous:
         #: None when it runs elsewhere; participants not yet looked up are absent
         self._pids: dict[str, int | None] = {}
         self._last_progress = time.monotonic()
+        self._held = 0  # > 0 while long local work counts as progress (`hold`)
         self._generation = -1
         self._members: tuple[str, ...] = ()
         self._pending = False
@@ -381,6 +407,32 @@ class Rendezvous:
     def progress(self) -> None:
         """The run loop is alive: keep heartbeating for another `timeout`."""
         self._last_progress = time.monotonic()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Long local work (a first ``torch.compile``, a long evaluation): heartbeat all along, as if
+        progress were made continuously, until the block ends (nested blocks count)."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+            self.progress()
+
+    def _making_progress(self, now: float) -> bool:
+        return self._held > 0 or now - self._last_progress < self.timeout
+
+    def exited(self) -> set[str]:
+        """The members of the current generation known to have exited: participants of this process space
+        (same boot and pid namespace) whose process is gone. Reads no store; empty for other hosts."""
+        out = set()
+        for p in self._members:
+            pid = self._pids.get(p)
+            if p != self.participant and pid is not None and not running(pid):
+                out.add(p)
+        return out
 
     def join(self) -> Membership | None:
         """Block until this participant is a member of a new generation and return it; None when the run
@@ -468,7 +520,7 @@ class Rendezvous:
             self._observe(self._store, others)
         now = time.monotonic()
         fresh = {p for p in others if self._fresh(p, now, self.expiry)}
-        if self.participant in members and now - self._last_progress < self.timeout:
+        if self.participant in members and self._making_progress(now):
             fresh.add(self.participant)
         return fresh
 
@@ -583,7 +635,7 @@ class Rendezvous:
                 events,
                 alive=alive,
                 ready=ready,
-                min_workers=self.min_workers,
+                min_workers=self.first_workers if n == 0 else self.min_workers,
                 max_workers=self.max_workers,
                 quiet=now - view.changed >= self.last_call,
             )
@@ -592,6 +644,8 @@ class Rendezvous:
 
     def _join_timeout_error(self, j: Joiner, view: _View) -> ElasticError:
         limits = f"min_workers={self.min_workers}"
+        if j.round == 0 and self.first_workers != self.min_workers:
+            limits += f", first_workers={self.first_workers} for the first generation"
         if self.max_workers < 1 << 30:
             limits += f", max_workers={self.max_workers}"
         msg = (
@@ -655,7 +709,7 @@ class Rendezvous:
                 self._store_down_since = None
 
     def _beat_once(self, store: dist.Store) -> None:
-        if time.monotonic() - self._last_progress < self.timeout:
+        if self._making_progress(time.monotonic()):
             store.add(hb_key(self.participant), 1)
         with self._lock:
             generation, members = self._generation, self._members

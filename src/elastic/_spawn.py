@@ -59,6 +59,10 @@ _MONITOR_INTERVAL = 0.1
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL (torch versions that let us choose).
 _SHUTDOWN_TIMEOUT = 5
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: torch's intra-op thread pools default to the core count in every worker: with several workers on one
+#: host they oversubscribe the cores (3 workers on 2 cores ran 5x slower). torchrun sets this too.
+_THREADS_ENV = "OMP_NUM_THREADS"
+_threads_said = False
 
 
 class _Deadline(Exception):
@@ -213,6 +217,31 @@ def _keep_signals_and_env() -> Iterator[None]:
             os.environ.pop(env_key, None)
         else:
             os.environ[env_key] = env_before
+
+
+@contextlib.contextmanager
+def _worker_threads(nprocs: int) -> Iterator[None]:
+    """``OMP_NUM_THREADS=1`` in the workers' environment while several share this host and the user set
+    none, as torchrun does; said once per process. The caller's environment is restored afterwards."""
+    global _threads_said
+    if nprocs < 2 or _THREADS_ENV in os.environ:
+        yield
+        return
+    if not _threads_said:
+        _threads_said = True
+        log.warning(
+            "elastic.spawn: setting %s=1 for its %d workers (they share this host's %s cores); set %s "
+            "yourself to choose another value",
+            _THREADS_ENV,
+            nprocs,
+            os.cpu_count() or "?",
+            _THREADS_ENV,
+        )
+    os.environ[_THREADS_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_THREADS_ENV, None)
 
 
 def _check_args(
@@ -448,8 +477,21 @@ def spawn(
     args, kwargs = _check_args(fn, nprocs, args, kwargs, backend, max_restarts)
     td = as_timedelta(timeout, "elastic.spawn")
     seconds = None if td is None else td.total_seconds()
-    if restart == "worker":
-        return _spawn_workers(fn, nprocs, args, kwargs, max_restarts, seconds)
+    with _worker_threads(nprocs):
+        if restart == "worker":
+            return _spawn_workers(fn, nprocs, args, kwargs, max_restarts, seconds)
+        return _spawn_group(fn, nprocs, args, kwargs, backend, max_restarts, seconds)
+
+
+def _spawn_group(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backend: str,
+    max_restarts: int,
+    seconds: float | None,
+) -> list[Any]:
 
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401  (its logger, early)
     from torch.distributed.elastic.multiprocessing import SignalException

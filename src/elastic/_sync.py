@@ -27,6 +27,7 @@ from ._timeouts import as_timedelta
 from ._transport import Transport
 from ._transports import default_transport
 from ._tree import (
+    PLAIN,
     Flat,
     StateNode,
     TensorMeta,
@@ -38,6 +39,7 @@ from ._tree import (
     receive_targets,
     scan_schema,
     schema_digests,
+    strict_schema,
 )
 
 __all__ = [
@@ -185,13 +187,33 @@ def _describe(schema: Any) -> str:
     return str(schema[0])
 
 
+#: The fix for a structured field that differs only within its kind.
+_FIXES = {
+    "module": "construct the model identically everywhere (sizes from the config, not from the rank)",
+    "optimizer": "build the optimizer with the same class and param groups on every rank",
+    "stateful": "build the scheduler, scaler, sampler or other state_dict() object of each field with the "
+    "same class on every rank",
+    "state": "build each nested state of the same class, with the same structured fields, on every rank",
+}
+#: The fix for a field that holds a structured value on some ranks and another kind of value on others.
+_KIND_FIX = (
+    "build the field's module, optimizer, scheduler, sampler or nested state on every rank, not None or "
+    "another kind of value there (a receiver loads state into its own object but cannot build one; plain "
+    "values of any kind are adopted from the source)"
+)
+
+
 def _mismatch_message(full: Sequence[Any], op: str) -> str:
+    """What differs between the ranks' full schemas (`scan_schema`), and how to fix it. Plain fields never
+    differ: receivers adopt the source's value whatever its kind (`strict_schema`)."""
     lines = [f"{op}: the ranks hold states of different schemas; nothing was moved."]
+    fixes: list[str] = []
     classes: dict[str, list[int]] = {}
     for rank, (qualname, _) in enumerate(full):
         classes.setdefault(qualname, []).append(rank)
     if len(classes) > 1:
         lines.append("  class: " + "; ".join(f"{q} on {ranks_str(rs)}" for q, rs in classes.items()))
+        fixes.append("build the same state class on every rank")
     names: list[str] = []
     for _, fields in full:
         names.extend(n for n, _ in fields if n not in names)
@@ -199,24 +221,25 @@ def _mismatch_message(full: Sequence[Any], op: str) -> str:
         per_rank: list[Any] = [dict(fields).get(name) for _, fields in full]
         groups: dict[str, list[int]] = {}
         for rank, sch in enumerate(per_rank):
-            groups.setdefault("missing" if sch is None else repr(sch), []).append(rank)
+            groups.setdefault("missing" if sch is None else repr(strict_schema(sch)), []).append(rank)
         if len(groups) <= 1:
             continue
-        kinds = {sch[0] for sch in per_rank if sch is not None}
-        if all(sch is not None for sch in per_rank) and len(kinds) == 1 and "module" in kinds:
+        if None in per_rank:
+            fix = "define the same synced fields on every rank"
+        else:  # plain fields group together: a structured kind differs, or its class or layout does
+            kinds = {"plain" if sch[0] in PLAIN else sch[0] for sch in per_rank}
+            fix = _FIXES[kinds.pop()] if len(kinds) == 1 else _KIND_FIX
+        if fix not in fixes:
+            fixes.append(fix)
+        if all(sch is not None and sch[0] == "module" for sch in per_rank):
             lines.append(f"  field {name!r}: " + _module_diff([sch[1] for sch in per_rank]))
             continue
-        if all(sch is not None for sch in per_rank) and "none" in kinds and len(kinds) == 2:
-            continue  # None on some ranks is compatible with a buildable kind
         desc = "; ".join(
             f"{'missing' if per_rank[rs[0]] is None else _describe(per_rank[rs[0]])} on {ranks_str(rs)}"
             for rs in groups.values()
         )
         lines.append(f"  field {name!r}: {desc}")
-    lines.append(
-        "Every rank must build the same state class with the same fields and module shapes; "
-        "construct the model identically everywhere (sizes from the config, not from the rank)."
-    )
+    lines.append("Fix: " + ("; ".join(fixes) or "build the same state on every rank") + ".")
     return "\n".join(lines)
 
 

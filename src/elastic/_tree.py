@@ -55,13 +55,14 @@ __all__ = [
     "scan_schema",
     "schema_digests",
     "schema_of",
+    "strict_schema",
     "tensor_index",
 ]
 
 Which = Literal["sync", "save"]
 Path = tuple[Any, ...]
 
-#: Kinds a field value can have; part of the schema digest.
+#: Kinds a field value can have (`kind_of`); the structured ones count in the schema digest.
 KINDS = (
     "tensor",
     "module",
@@ -75,8 +76,11 @@ KINDS = (
     "object",
     "none",
 )
-#: Kinds a receiver can build from the source's skeleton alone, so `None` on one rank is compatible.
-BUILDABLE = frozenset({"tensor", "rng", "dict", "list", "tuple", "object", "none"})
+#: Kinds of plain values: a receiver adopts the source's value whatever kind it holds itself (a float that
+#: became a 0-d tensor, `None`, a container of mixed kinds), so the schema digest does not tell them apart.
+#: The other kinds (modules, optimizers, other `state_dict()` objects, nested states) are structured: a
+#: receiver loads its values into its own object, so their kind and layout must agree across ranks.
+PLAIN = frozenset({"tensor", "rng", "dict", "list", "tuple", "object", "none"})
 
 
 @attrs.frozen
@@ -730,7 +734,11 @@ def materialize(
         return current
     if isinstance(node, StatefulNode):
         if kind_of(current) != node.kind:
-            msg = f"{path_str(path)}: expected a {node.kind}, found {type(current).__qualname__}"
+            msg = (
+                f"{path_str(path)}: the source holds a {node.kind} here and this rank a "
+                f"{type(current).__qualname__}; a receiver loads a {node.kind}'s state into its own "
+                f"{node.kind} but cannot build one: construct it on every rank"
+            )
             raise TypeError(msg)
         if (
             node.kind == "module"
@@ -1015,12 +1023,26 @@ def _value_schema(value: Any, path: Path, sds: dict[Path, Any], layout_of: Layou
 def schema_digests(
     state: Any, sds: dict[Path, Any] | None = None, layout_of: LayoutOf = layout_digest
 ) -> tuple[str, tuple[tuple[str, str, str], ...]]:
-    """The compact schema: the class name and, per synced field, (name, kind, digest), where a module's
-    layout counts by its digest (`layout_of`: a caller that kept the digests of unchanged layouts passes
-    them). The module state dicts are those in `sds` or taken now."""
+    """The compact schema: the class name and, per synced field, (name, kind, digest), where the digest is
+    that of `strict_schema` (a plain field's kind is not in it) and a module's layout counts by its digest
+    (`layout_of`: a caller that kept the digests of unchanged layouts passes them). The module state dicts
+    are those in `sds` or taken now."""
     taken: dict[Path, Any] = {} if sds is None else sds
     qualname, fields = _scan_state(state, (), taken, layout_of)
-    return qualname, tuple((name, sch[0], _digest(sch)) for name, sch in fields)
+    return qualname, tuple((name, sch[0], _digest(strict_schema(sch))) for name, sch in fields)
+
+
+def strict_schema(schema: Any) -> Any:
+    """What of a field's schema (as `scan_schema` gives it) must agree across ranks: the schema itself for
+    a structured field, one constant for a plain one (receivers adopt the source's value whatever its kind),
+    a nested state's fields likewise."""
+    kind = schema[0]
+    if kind in PLAIN:
+        return ("plain",)
+    if kind == "state":
+        qualname, fields = schema[1]
+        return ("state", (qualname, tuple((name, strict_schema(sch)) for name, sch in fields)))
+    return schema
 
 
 def field_digests(state: Any) -> tuple[str, tuple[tuple[str, str, str], ...]]:
@@ -1030,10 +1052,6 @@ def field_digests(state: Any) -> tuple[str, tuple[tuple[str, str, str], ...]]:
 
 
 def compatible(a: tuple[str, str, str], b: tuple[str, str, str]) -> bool:
-    """Whether two fields' (name, kind, digest) match; `None` matches any kind a receiver can build."""
-    if a[0] != b[0]:
-        return False
-    if a[2] == b[2]:
-        return True
-    kinds = {a[1], b[1]}
-    return "none" in kinds and kinds <= BUILDABLE
+    """Whether two fields' (name, kind, digest) match: the same name and digest (plain fields of any kinds,
+    `None` included, have the same digest; see `strict_schema`)."""
+    return a[0] == b[0] and a[2] == b[2]

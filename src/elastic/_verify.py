@@ -163,10 +163,14 @@ def _digest_of(node: Any) -> str:
     return h.hexdigest()
 
 
+#: The suffix of a field's key for its non-tensor part, in `digests`.
+_OBJECTS = " (objects)"
+
+
 def digests(state: Any) -> dict[str, str]:
     """Per synced field (the non-tensor part) and per tensor path, a digest of this rank's content."""
     flat = flatten(state, "sync")
-    out = {f"{name} (objects)": _digest_of(node) for name, node in flat.skeleton.fields.items()}
+    out = {f"{name}{_OBJECTS}": _digest_of(node) for name, node in flat.skeleton.fields.items()}
     for tensor, meta in zip(flat.tensors, flat.metas):
         out[path_str(meta.path)] = _tensor_digest(tensor)
     return out
@@ -206,8 +210,10 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
         for rank, table in enumerate(tables):
             groups.setdefault(table.get(key, "missing"), []).append(rank)
         if len(groups) > 1:
+            # a tensor path some ranks lack: they hold another kind of value there (a float, not a tensor)
+            absent = "missing on " if key.endswith(_OBJECTS) else "no tensor on "
             versions = " vs ".join(
-                ("missing on " if d == "missing" else "") + ranks_str(rs) for d, rs in groups.items()
+                (absent if d == "missing" else "") + ranks_str(rs) for d, rs in groups.items()
             )
             lines.append(f"  {key}: {versions}")
     if lines:
