@@ -12,7 +12,8 @@ and rejoins. Measured per failure, from the worker's own timestamps:
 - elastic with loader workers: the same, each worker's batches coming from a ``DataLoader(num_workers=2)``
   (``--loader-workers``; forked, Linux's default), whose workers are alive at every kill. A killed
   worker's loader workers inherit its gloo connections and live on until their parent check (every 5 s);
-  `elastic.run` makes forked children drop them (`elastic._fork`), so the survivors see the EOF at once.
+  `elastic.run` makes forked children drop them (`elastic.recovery.fork`), so the survivors see the EOF
+  at once.
 - torchrun: ``--max-restarts`` restarts every worker, which resume from the last checkpoint (every 20
   steps): seconds from the kill to the first step completed after the restart, and steps lost.
 - torchft 0.2.0 (the ``bench`` extra): one replica group per worker, gloo, its Lighthouse in this process

@@ -28,8 +28,8 @@ def _worker(port: int, name: str, failed: Any, out: Any) -> None:
 
     if os.environ.get("BENCH_DEBUG"):
         logging.basicConfig(level=logging.DEBUG, format=f"%(created).3f {name} %(message)s")
-    from elastic._rendezvous import Rendezvous
-    from elastic._store import connect
+    from elastic.recovery.rendezvous import Rendezvous
+    from elastic.recovery.store import connect
 
     store = connect("127.0.0.1", port, timeout=TIMEOUT)
     rdzv = Rendezvous(
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from elastic._store import serve
+    from elastic.recovery.store import serve
 
     server = serve("127.0.0.1", 0, timeout=TIMEOUT)
     ctx = mp.get_context("spawn")

@@ -46,9 +46,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import elastic
-from elastic import _transport, _transports
-from elastic._shm_transport import SharedMemoryTransport, shared_cached_bytes
-from elastic._transport import BroadcastTransport
+from elastic.replication.transport import broadcast as _transport
+from elastic.replication.transport import default as _transports
+from elastic.replication.transport.broadcast import BroadcastTransport
+from elastic.replication.transport.shm import SharedMemoryTransport, shared_cached_bytes
 
 MiB = 2**20
 #: DDP's default `broadcast_bucket_size` for `_sync_module_states`.

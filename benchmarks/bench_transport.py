@@ -32,11 +32,12 @@ import torch.multiprocessing as mp
 from bench_sync import ModuleState, free_port, layers_for  # the same state as bench_sync's module case
 
 import elastic
-from elastic import _transports
-from elastic._comm import Comm
-from elastic._shm_transport import SharedMemoryTransport
-from elastic._transport import BroadcastTransport, Transport
-from elastic._tree import TensorMeta
+from elastic.replication.comm import Comm
+from elastic.replication.transport import default as _transports
+from elastic.replication.transport.broadcast import BroadcastTransport
+from elastic.replication.transport.protocol import Transport
+from elastic.replication.transport.shm import SharedMemoryTransport
+from elastic.state.tree import TensorMeta
 
 MiB = 2**20
 

@@ -406,7 +406,7 @@ def _host_stat(key: str) -> int:
 
 
 def run_ckpt_part(cfg: dict[str, Any], root: Path) -> list[Row]:
-    from elastic import _ckpt_write
+    from elastic.checkpoint import write as _ckpt_write
 
     device = torch.device(cfg["device"])
     cuda = device.type == "cuda"
@@ -569,9 +569,9 @@ def _free_port() -> int:
 
 
 def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
-    from elastic._comm import Comm
-    from elastic._transport import BroadcastTransport
-    from elastic._tree import flatten
+    from elastic.replication.comm import Comm
+    from elastic.replication.transport.broadcast import BroadcastTransport
+    from elastic.state.tree import flatten
 
     device = torch.device(cfg["device"])
     backend = "nccl" if device.type == "cuda" else "gloo"

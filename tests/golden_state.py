@@ -124,3 +124,55 @@ def fresh(with_objects: bool = True) -> GoldenState:
         state.point = None
         state.ratio = None
     return state
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+    assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+
+
+def same_value(a: Any, b: Any) -> None:
+    """Equal with the same types all the way down (1 == 1.0 == True is not enough)."""
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        same_tensor(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same_value(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same_value(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+def check(state: GoldenState, objects: bool, step: int = 1234) -> None:
+    """`state` holds every value of `build()` (with `step`), bit for bit."""
+    want = build()
+    want.step = step
+    for (ka, a), (kb, b) in zip(state.model.state_dict().items(), want.model.state_dict().items()):
+        assert ka == kb
+        same_tensor(a, b)
+    got_opt, want_opt = state.optimizer.state_dict(), want.optimizer.state_dict()
+    same_value(got_opt["param_groups"], want_opt["param_groups"])
+    assert sorted(got_opt["state"]) == sorted(want_opt["state"]) == [0, 1, 2, 3]
+    for i in want_opt["state"]:
+        same_value(got_opt["state"][i], want_opt["state"][i])
+    assert state.optimizer.param_groups[0]["lr"] == 0.005  # 0.01 halved at epoch 2 by StepLR
+    sched, want_sched = state.scheduler, want.scheduler
+    assert (sched.last_epoch, sched.step_size, sched.gamma) == (3, 2, 0.5)
+    same_value(sched.base_lrs, want_sched.base_lrs)
+    same_value(sched.get_last_lr(), want_sched.get_last_lr())
+    assert sched.optimizer is state.optimizer  # the scheduler still drives the live optimizer
+    for name in ("step", "loss", "name", "nothing", "history", "config", "pair", "tags", "blob"):
+        same_value(getattr(state, name), getattr(want, name))
+    for name in ("ema", "counts", "half"):
+        same_tensor(getattr(state, name), getattr(want, name))
+    if objects:
+        assert state.point == Point(x=3, y=-0.25, label="p")
+        assert type(state.point) is Point
+        assert state.ratio == Fraction(22, 7) and type(state.ratio) is Fraction
+    else:
+        assert state.point is None and state.ratio is None

@@ -1,4 +1,4 @@
-"""Exhaustive exploration of the round protocol (`elastic._rendezvous.step`) against an in-memory store.
+"""Exhaustive exploration of the round protocol (`elastic.recovery.rendezvous.step`) in memory.
 
 Every participant is a program over the protocol's own state machine: it trains in a generation, and
 joins the next round when its generation is broken (a peer crashed, left or went on), when `pending()`
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import attrs
 
-import elastic._rendezvous as rendezvous
-from elastic._rendezvous import FINISHED, Joiner, Log, decide, log_key, pending_from, start, step
+import elastic.recovery.rendezvous as rendezvous
+from elastic.recovery.rendezvous import FINISHED, Joiner, Log, decide, log_key, pending_from, start, step
 
 
 def parse_log(raw: bytes) -> Log:
@@ -26,7 +26,7 @@ def parse_log(raw: bytes) -> Log:
 
 
 class MemStore:
-    """The store operations of `elastic._rendezvous.Ops` on a dict, with TCPStore's semantics."""
+    """The store operations of `elastic.recovery.rendezvous.Ops` on a dict, with TCPStore's semantics."""
 
     def __init__(self, items: tuple[tuple[str, bytes], ...] = ()) -> None:
         self.data: dict[str, bytes] = dict(items)

@@ -4,9 +4,7 @@ Decorate an attrs class with `@elastic_state(tenure=...)`; `sync`, `save` and `l
 tenured state in the group and give it to every rank.
 """
 
-from ._checkpoint import LoadReport, SaveHandle, load, save
-from ._decorator import elastic_state
-from ._errors import (
+from elastic._util.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -18,13 +16,16 @@ from ._errors import (
     UntrustedCheckpointError,
     WorkerError,
 )
-from ._fields import field, local
-from ._process_group import init_process_group
-from ._run import World, run
-from ._sampler import ElasticSampler
-from ._spawn import spawn
-from ._sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
-from ._verify import verify
+from elastic.checkpoint.saveload import LoadReport, SaveHandle, load, save
+from elastic.data.sampler import ElasticSampler
+from elastic.launch.process_group import init_process_group
+from elastic.launch.spawn import spawn
+from elastic.recovery.run import World, run
+from elastic.replication.sync import SyncReport, broadcast_state, most_tenured_rank, sync, tenure
+from elastic.replication.verify import verify
+from elastic.state.decorator import elastic_state
+from elastic.state.fields import field, local
+
 from ._version import __version__
 
 __all__ = [

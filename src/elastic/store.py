@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from types import FrameType
 
-from ._store import RDZV_ENV, format_address, serve
+from elastic.recovery.store import RDZV_ENV, format_address, serve
 
 __all__ = ["main"]
 

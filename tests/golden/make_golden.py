@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))  # golden_state is imported as the tests im
 
 import elastic  # noqa: E402
 import golden_state  # noqa: E402
-from elastic._manifest import FORMAT_VERSION  # noqa: E402
+from elastic.checkpoint.manifest import FORMAT_VERSION  # noqa: E402
 
 
 def main() -> None:

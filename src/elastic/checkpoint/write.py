@@ -1,0 +1,242 @@
+"""The checkpoint writer: snapshot a state, write its files and manifest, publish it, and apply the
+retention policy.
+
+`prepare` runs on the caller's thread (flatten, encode, pickle the objects, and for async saves copy the
+tensors into a reused CPU staging area), so that `write` can run on a background thread while training goes
+on. `write` never leaves a partial checkpoint visible: the storage (`_storage`) publishes it atomically
+(locally: a hidden temporary directory renamed into place), and a writer killed at any point leaves only
+what the next save removes once its writer is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import platform
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import attrs
+import cloudpickle
+import torch
+
+from elastic._util.threads import one_torch_thread
+from elastic.checkpoint.codec import (
+    CONTENT,
+    CONTENT_VERSION,
+    MANIFEST,
+    OBJECTS,
+    encode_skeleton,
+    pickle_objects,
+)
+from elastic.checkpoint.content import write_bytes, write_content
+from elastic.checkpoint.manifest import (
+    build_manifest,
+    dir_name,
+    is_checkpoint_dir,
+    manifest_bytes,
+    scan,
+    tenure_to_json,
+)
+from elastic.checkpoint.storage.base import Storage
+from elastic.checkpoint.storage.local import LOCAL
+from elastic.replication.comm import fault_point
+from elastic.state.config import saved_fields
+from elastic.state.tree import (
+    TensorMeta,
+    carriers,
+    flatten,
+    kind_of,
+    staged,
+    staging_buffer,
+    staging_fits,
+    to_save,
+)
+
+__all__ = ["Job", "Outcome", "explain", "prepare", "run_job", "write"]
+
+log = logging.getLogger("elastic")
+
+
+@attrs.define
+class Job:
+    """What the writer needs, prepared on the caller's thread (so a background write sees a snapshot)."""
+
+    root: Any
+    keep: int | None
+    rank: int
+    tenure: Any
+    payload: dict[str, Any]
+    objects: bytes | None
+    info: dict[str, Any]
+    crc32: bool
+    storage: Storage = LOCAL
+
+
+@attrs.frozen
+class Outcome:
+    """A writer's result: the checkpoint's path, or the error text."""
+
+    rank: int
+    path: str | None = None
+    error: str | None = None
+    root: str = ""
+
+
+def versions() -> dict[str, str]:
+    package = sys.modules.get("elastic")
+    return {
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "cloudpickle": str(getattr(cloudpickle, "__version__", "unknown")),
+        "elastic-state": str(getattr(package, "__version__", "unknown")),
+    }
+
+
+def prepare(
+    state: Any,
+    root: Any,
+    keep: int | None,
+    rank: int,
+    world: int,
+    tenure: Any,
+    stage: bool,
+    storage: Storage = LOCAL,
+) -> Job:
+    flat = flatten(state, "save")
+    encoded = encode_skeleton(flat.skeleton)
+    objects = pickle_objects(encoded) if encoded.objects else None
+    tensors = stage_copy(flat.tensors, flat.metas) if stage else to_save(flat)
+    payload = {
+        "format": CONTENT_VERSION,
+        "skeleton": encoded.plain,
+        "tensors": tensors,
+        "devices": [t.device.type for t in flat.tensors],
+    }
+    cls = type(state)
+    now = time.time_ns()
+    info = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "fields": [{"name": a.name, "kind": kind_of(getattr(state, a.name))} for a in saved_fields(cls)],
+        "tenure": tenure_to_json(tenure),
+        "tenure_repr": repr(tenure),
+        "world_size": world,
+        "writer_rank": rank,
+        "created": datetime.fromtimestamp(now / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds"),
+        "created_ns": now,
+        "versions": versions(),
+        "objects": encoded.object_summary(),
+    }
+    return Job(
+        root=root,
+        keep=keep,
+        rank=rank,
+        tenure=tenure,
+        payload=payload,
+        objects=objects,
+        info=info,
+        crc32=stage,
+        storage=storage,
+    )
+
+
+# One staging copy of the tensors for async saves, reused while shapes and dtypes stay the same.
+_staging_lock = threading.Lock()
+_staging: list[torch.Tensor] = []
+
+
+def stage_copy(tensors: list[torch.Tensor], metas: list[TensorMeta]) -> list[torch.Tensor]:
+    """CPU copies of `tensors` for a background write, in reused buffers (pinned for CUDA sources). Tensors
+    sharing storage are staged once (aliases are views of their carrier's copy)."""
+    global _staging
+    with _staging_lock, one_torch_thread():
+        old = _staging
+        kept: list[torch.Tensor] = []
+        devices: set[torch.device] = set()  # every device with a copy in flight, not only the current one
+        pins = [t.device.type == "cuda" and torch.cuda.is_available() for t in tensors]
+        buffers: dict[int, torch.Tensor] = {}
+        for n, i in enumerate(carriers(metas)):
+            if pins[i]:
+                devices.add(tensors[i].device)
+            buf = old[n] if n < len(old) else None
+            if buf is None or not staging_fits(buf, metas[i], pins[i]):
+                buf = staging_buffer(metas[i], pins[i])
+            buffers[i] = buf
+            kept.append(buf)
+        out = staged(tensors, metas, buffers.__getitem__)
+        for device in devices:  # the writer thread reads these buffers: every copy must have landed
+            torch.cuda.synchronize(device)
+        _staging = kept
+        return out
+
+
+def _retain(storage: Storage, root: Any, keep: int | None, written: Any) -> None:
+    """Keep the `keep` most tenured complete checkpoints, and always `written`."""
+    if keep is None:
+        return
+    complete = scan(root, warn=False, op="save", storage=storage)
+    keepers = {storage.name(c.path) for c in complete[:keep]} | {storage.name(written)}
+    for cand in complete:
+        if storage.name(cand.path) not in keepers:
+            log.info("save: retention (keep=%d) removes %s", keep, cand.path)
+            storage.retire(cand.path)
+    storage.settle(root)
+
+
+def write(job: Job) -> Any:
+    """Write one checkpoint durably under `job.root`; returns its location (a directory)."""
+    root, rank, storage = job.root, job.rank, job.storage
+    if is_checkpoint_dir(root, storage):
+        msg = (
+            f"{root} is itself a checkpoint (it holds {MANIFEST}); pass the directory that holds checkpoints"
+        )
+        raise ValueError(msg)
+    started = time.time()
+    storage.make_root(root)
+    storage.clean_stale(root, started)
+    pending = storage.begin(root, dir_name(job.tenure))
+    try:
+        fault_point("write", rank)
+        files = []
+        if job.objects is not None:
+            files.append(write_bytes(pending, OBJECTS, job.objects))
+        files.append(write_content(pending, CONTENT, job.payload, crc32=job.crc32))
+        fault_point("manifest", rank)
+        manifest = build_manifest(job.info, files)
+        pending.seal(MANIFEST, manifest_bytes(manifest))
+        fault_point("rename", rank)
+        final = pending.publish()
+    except BaseException:
+        pending.discard()
+        raise
+    log.info("save: rank %d wrote %s (tenure %r)", rank, final, job.tenure)
+    try:
+        fault_point("retain", rank)
+        _retain(storage, root, job.keep, final)
+    except Exception as exc:  # the checkpoint is durable; failing to delete old ones is not fatal
+        log.warning("save: retention under %s failed: %s: %s", root, type(exc).__name__, exc)
+    return final
+
+
+def run_job(job: Job) -> Outcome:
+    try:
+        return Outcome(rank=job.rank, path=str(write(job)), root=str(job.root))
+    except Exception as exc:
+        return Outcome(rank=job.rank, error=job.storage.explain(exc) or explain(exc), root=str(job.root))
+
+
+def explain(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "errno", None)
+    if code == errno.ENOSPC or code == getattr(errno, "EDQUOT", -1):
+        return f"{text}. Free disk space, lower keep=, or save to another path"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{text}. Make the directory writable by this process, or save to another path"
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return f"{text}. The path (or a parent) is a file; pass a directory"
+    if isinstance(exc, TypeError):
+        return str(exc)
+    return f"{text}. Fix the cause and save again"

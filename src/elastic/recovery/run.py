@@ -1,0 +1,987 @@
+"""`elastic.run`: survivors keep their state in memory and re-form the group, losing at most one step.
+
+Every worker process is one participant of a rendezvous (`._rendezvous`) over a TCPStore that outlives
+the workers. `run` loops over *generations*; each one is
+
+1. a membership from the rendezvous (generation number, rank, size, a store prefix never used before),
+2. a fresh default process group on that prefix (gloo; NCCL when the state holds CUDA tensors),
+3. `elastic.load(state, ckpt)` when `ckpt` is given, else `elastic.sync(state)` (the most tenured wins),
+4. ``fn(state, world)``.
+
+A generation ends in one of four ways:
+
+- ``fn`` returns: the run is finished (`Rendezvous.finish`); `run` returns the value.
+- `World.check` sees, in its flag exchange, that someone waits to join or leaves (SIGTERM): every rank
+  leaves at the same call; the leaver's `run` returns ``None``, the others form the next generation.
+- A communication failure caused by a peer (it died, hung past `timeout`, aborted its group): the group
+  is aborted and destroyed and the next generation forms.
+- Any other exception: this rank announces it, aborts its group (so the peers notice in milliseconds)
+  and the exception propagates out of `run`.
+
+Classifying a failure. Gloo reports a dead or hung peer as a plain ``RuntimeError``, and user code raises
+``RuntimeError`` too, so the type alone decides nothing. A rank whose collective failed records where it
+was (`where_of`: which library call and phase, or a collective of ``fn``'s own) under the generation's
+store prefix and aborts its group at once, so that every peer blocked on it fails too and records as well.
+`_judge` then accounts for every member: one that recorded, one in `World.busy`, one that announced it left
+(its own exception), one whose process exited (same host) or whose heartbeat stays stale with no record.
+A member gone or departed is a peer's failure: regroup. Every member present, in different places (rank 0
+in ``save``, the others in DDP's all-reduce) is the script's bug: every rank raises the same
+`ElasticError`. Every member present in one place is nobody's failure: the exception propagates. The
+first verdict written to the store is everyone's. Generations that keep failing before a step completes
+at one tenure end after `STALL_LIMIT` with their history (`_Stalls`).
+
+Known traps handled here: each generation has its own store prefix (a reused one makes gloo read stale
+peer addresses); torch's group counter is reset before every ``init_process_group`` when no group exists
+(a failed init leaves it incremented, and group names would differ between ranks); the ``sys.excepthook``
+that every ``init_process_group`` wraps again is restored; the references to a failed group are dropped
+(traceback frames cleared) before it is destroyed, so its sockets close and peers blocked on this rank
+fail at once instead of after their timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from elastic._util.errors import ElasticError, SyncError
+from elastic._util.timeouts import as_timedelta
+from elastic._util.words import ranks_str
+from elastic.checkpoint.saveload import load
+from elastic.recovery.fork import install as release_connections_in_forked_children
+from elastic.recovery.rendezvous import Rendezvous
+from elastic.recovery.store import connect, format_address, parse_address
+from elastic.replication.sync import sync, tenure
+from elastic.state.config import config_of
+from elastic.state.tree import tensor_index
+
+__all__ = ["World", "run"]
+
+log = logging.getLogger("elastic")
+
+#: How long a collective may wait and a peer may make no progress, when `timeout` is not given.
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+#: How long a generation may take to form (torch's rendezvous join timeout), when not given.
+DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)
+#: Seconds between two polls of the store while looking for evidence of a peer's failure.
+_POLL = 0.02
+#: Generations in a row that may fail before a step completes, at one tenure, before `run` gives up.
+STALL_LIMIT = 4
+
+
+class _EndGeneration(BaseException):
+    """Raised by `World.check` on every rank at the same call when the generation ends by agreement.
+
+    A `BaseException`, so that ``except Exception`` in user code does not swallow it.
+    """
+
+    def __init__(self, leaving: bool) -> None:
+        super().__init__("the generation ends at this check()")
+        self.leaving = leaving
+
+
+class World:
+    """This rank's place in the current generation of `elastic.run`, and `check()`, the per-step collective.
+
+    `run` builds one for every generation and passes it to ``fn(state, world)``.
+
+    Attributes:
+        rank: this worker's rank in the generation (0 .. size-1). Ranks follow the workers' stable order
+            (their ``elastic.spawn`` slot or launcher rank), not the order in which they joined.
+        size: how many workers the generation has.
+        generation: the generation's number, the same on every member; increasing, 0 first.
+        group: the generation's process group, also torch's default group. Build objects bound to it
+            (``DistributedDataParallel``, samplers' worlds) inside ``fn``: each generation has its own.
+        mesh: the generation's ``DeviceMesh`` for sharded states; None for replicated states.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        generation: int,
+        group: Any,
+        rdzv: Any,
+        check_every: int,
+        leave_requested: Callable[[], bool],
+        timeout: timedelta,
+        note: Callable[[str | None], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.generation = generation
+        self.group = group
+        self.mesh: Any = None
+        self._rdzv = rdzv
+        self._check_every = check_every
+        self._leave_requested = leave_requested
+        self._timeout = timeout
+        self._note = note
+        self._calls = 0
+        self._store_warned = False
+
+    def __repr__(self) -> str:
+        return f"World(rank={self.rank}, size={self.size}, generation={self.generation})"
+
+    def progress(self) -> None:
+        """Record progress now: this worker counts as alive for another `timeout` (local, no store)."""
+        self._rdzv.progress()
+
+    @contextlib.contextmanager
+    def busy(self, what: str = "long local work") -> Iterator[None]:
+        """Long local work (a first ``torch.compile``, a long evaluation) counts as progress while it runs.
+
+        Inside the block this worker heartbeats as if it made progress all along, so the others do not take
+        it for hung, however long the block takes; a real hang inside it is then not detected. `timeout`
+        still bounds every collective: a rank that waits inside a collective for a peer still in its
+        ``busy`` block fails after `timeout` (and `run` names both places). Enter the block on every rank
+        for work they all do (compiling the same graph), or raise `timeout` above the longest wait.
+
+        Args:
+            what: a few words for error messages and logs ("compile", "eval").
+
+        Returns:
+            A context manager.
+        """
+        if self._note is not None:
+            self._note(f"world.busy({what!r})")
+        try:
+            with self._rdzv.hold():
+                yield
+        finally:
+            if self._note is not None:
+                self._note(None)
+
+    def check(self) -> None:
+        """Collective, once per step on every rank: end the generation here if someone joins or leaves.
+
+        Every `check_every`-th call all-reduces one small flag ("a participant waits to join, or a member
+        leaves"); when it is set, every rank leaves ``fn`` at this same call (the call raises an internal
+        exception that `run` catches; do not catch ``BaseException`` around it). The other calls only
+        record progress (a rank that makes none for `timeout` counts as hung).
+
+        Raises:
+            RuntimeError: the flag's all-reduce failed (a peer died or hung): `run` catches it and regroups.
+        """
+        self._rdzv.progress()
+        self._calls += 1
+        if self._calls % self._check_every:
+            return
+        leaving = self._leave_requested()
+        flag = 2 if leaving else 0
+        if not leaving:
+            try:
+                flag = 1 if self._rdzv.pending() else 0
+            except ElasticError as exc:  # the store is gone: train on, the next regroup will say so
+                if not self._store_warned:
+                    self._store_warned = True
+                    log.warning("check(): rendezvous store unreachable, training on (%s)", exc)
+        else:
+            self._rdzv.leave()
+        t = torch.tensor([flag], dtype=torch.int32, device=_group_device(self.group))
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:
+            exc._elastic_where = "world.check()"  # type: ignore[attr-defined]
+            raise
+        self._rdzv.progress()
+        if int(t.item()):
+            raise _EndGeneration(leaving)
+
+
+def clear_grads(state: Any) -> int:
+    """Set the ``.grad`` of every parameter of `state`'s modules and optimizers to None (a step that a
+    failure interrupted leaves nothing to accumulate onto). Walks the fields, nested states and
+    containers. Returns how many gradients were cleared."""
+    cleared = 0
+    seen: set[int] = set()
+
+    def visit(value: Any) -> None:
+        nonlocal cleared
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        params: Iterator[Any] = iter(())
+        if isinstance(value, torch.nn.Module):
+            params = value.parameters()
+        elif isinstance(value, torch.optim.Optimizer):
+            params = (p for g in value.param_groups for p in g["params"])
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif attrs.has(type(value)):
+            for f in attrs.fields(type(value)):
+                visit(getattr(value, f.name, None))
+        for p in params:
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                p.grad = None
+                cleared += 1
+
+    visit(state)
+    return cleared
+
+
+# --------------------------------------------------------------------------------------------------------
+# The process group of a generation (the seam where gloo and NCCL differ)
+
+
+def _uses_cuda(state: Any) -> bool:
+
+    try:
+        return any(t.is_cuda for t in tensor_index(state, "sync").values())
+    except Exception:
+        return False
+
+
+def _group_device(group: Any) -> torch.device:
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _nccl_setup() -> torch.device:
+    """CUDA device of this worker (``LOCAL_RANK``, else the current one) and NCCL's error handling.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only): on an error or a watchdog timeout NCCL aborts
+    its communicators without killing the process, so that `run` can regroup. Set it before the first
+    NCCL group; a value already in the environment is kept.
+    """
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _new_group(store: Any, membership: Any, backend: str, timeout: timedelta) -> Any:
+    """A fresh default process group for `membership`, on its own prefix of `store`."""
+    from torch.distributed.distributed_c10d import _world
+
+    if dist.is_initialized():
+        msg = (
+            "elastic.run: a default process group already exists in this process; elastic.run creates "
+            "one per generation itself: do not call init_process_group before run (or destroy it first)"
+        )
+        raise ElasticError(msg)
+    # A failed init_process_group leaves torch's group counter incremented: reset it while no group
+    # exists, so that every rank names its groups alike.
+    if not _world.pg_map:
+        _world.group_count = 0
+    hook = sys.excepthook
+    options: dict[str, Any] = {}
+    group_timeout = timeout
+    if backend == "nccl":
+        options["device_id"] = _nccl_setup()
+        # NCCL's watchdog must not fire before our own failure detection has ended the generation.
+        group_timeout = timeout * 2
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(membership.prefix, store),
+            rank=membership.rank,
+            world_size=membership.size,
+            timeout=group_timeout,
+            **options,
+        )
+    except BaseException:
+        if not _world.pg_map:
+            _world.group_count = 0
+        raise
+    finally:
+        sys.excepthook = hook  # init_process_group wraps it again every time
+    return dist.group.WORLD
+
+
+def _abort_group() -> None:
+    """Abort and destroy the default group (gloo: closes its sockets; NCCL: ncclCommAbort first)."""
+    _end_group(abort=True)
+
+
+def _destroy_group() -> None:
+    """The generation ended by agreement or fn returned: every rank is done with the group."""
+    _end_group(abort=False)
+
+
+def _end_group(*, abort: bool) -> None:
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    ref = None
+    if group is not None:
+        with contextlib.suppress(TypeError):
+            ref = weakref.ref(group)
+        if abort:
+            with contextlib.suppress(Exception):
+                group.abort()  # NCCL: unblocks kernels waiting for a dead peer; gloo: nothing to abort
+    del group
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    # The group's sockets close when its last reference goes, which is now unless something (a DDP
+    # module in a traceback's frame, a cycle) still holds it. A full gc.collect() holds the GIL for
+    # half a second on a busy machine (long enough to miss heartbeats), so it runs only then.
+    if ref is not None and ref() is not None:
+        log.debug("the process group is still referenced after destroy; collecting garbage")
+        gc.collect()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Classifying failures
+
+
+def _probe_seconds(timeout: timedelta, rdzv: Any) -> float:
+    """How long a rank looks for evidence that a peer failed before calling an exception its own.
+
+    It must cover a heartbeat's expiry after a hung peer's last progress (the rendezvous derives the
+    expiry from `timeout`); a rank's own ``RuntimeError`` costs this long before it propagates.
+    """
+    seconds = timeout.total_seconds()
+    expiry = float(getattr(rdzv, "expiry", seconds / 10))
+    return min(seconds, max(2.0, 5 * expiry))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _communication_kind(exc: BaseException) -> bool:
+    """Could `exc` come from a collective? (Necessary, never sufficient: see `_judge`.)"""
+
+    return any(isinstance(e, (RuntimeError, OSError, TimeoutError, SyncError)) for e in _chain(exc))
+
+
+#: Where a rank failing in a collective that is not one of the library's was: one of ``fn``'s own.
+IN_FN = "a collective of fn (e.g. DDP's all-reduce)"
+#: Where a member was that had no failure of its own when the others failed.
+RUNNING = "fn, in no collective (no failure of its own)"
+
+
+def where_of(exc: BaseException) -> str:
+    """Which operation this rank was in when `exc` ended its generation, in words for error messages."""
+    for e in _chain(exc):
+        where = getattr(e, "_elastic_where", None)
+        if where:
+            return str(where)
+        if isinstance(e, SyncError) and getattr(e, "op", None):
+            phase = f" (phase '{e.phase}')" if e.phase else ""
+            return f"{e.op}(){phase}"
+    return IN_FN
+
+
+class _Generation:
+    """The store keys of one generation's failure handling, under its own prefix.
+
+    - ``ended/<rank>``: why a rank left the generation (announced after it decided);
+    - ``failed/<rank>``: where a rank was when a collective failed on it (`where_of`);
+    - ``busy/<rank>``: set while a rank is in `World.busy` (a rank with no failure of its own);
+    - ``verdict``: the first verdict written; every rank adopts it (`_judge`).
+    """
+
+    def __init__(self, store: Any, membership: Any) -> None:
+        self.store = dist.PrefixStore(f"{membership.prefix}/elastic-run", store)
+        self.membership = membership
+
+    def _set(self, key: str, value: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(key, value)
+
+    def _others(self, kind: str) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for r in range(self.membership.size):
+            if r == self.membership.rank:
+                continue
+            key = f"{kind}/{r}"
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    value = self.store.get(key).decode()
+                    if value:
+                        found[r] = value
+        return found
+
+    def announce(self, why: str) -> None:
+        self._set(f"ended/{self.membership.rank}", why)
+
+    def announced(self) -> dict[int, str]:
+        """The other ranks that announced why they left this generation (one store read each)."""
+        return self._others("ended")
+
+    def record(self, where: str) -> None:
+        self._set(f"failed/{self.membership.rank}", where)
+
+    def records(self) -> dict[int, str]:
+        return self._others("failed")
+
+    def note(self, where: str | None) -> None:
+        """This rank is in `World.busy` (`where`), or no longer (None)."""
+        self._set(f"busy/{self.membership.rank}", where or "")
+
+    def notes(self) -> dict[int, str]:
+        return self._others("busy")
+
+    def verdict(self, mine: str | None) -> str | None:
+        """The generation's verdict: the first one written (`mine` when it is the first; None: read only)."""
+        try:
+            if mine is None:
+                if not self.store.check(["verdict"]):
+                    return None
+                return self.store.get("verdict").decode() or None
+            return self.store.compare_set("verdict", "", mine).decode() or mine
+        except Exception:
+            return mine
+
+
+#: Verdicts of `_judge`: "regroup:<why>" (a peer failed), "mismatch:<message>" (ranks were in different
+#: operations: the user's bug), "own" (no peer's failure: each rank's exception propagates).
+REGROUP, MISMATCH, OWN = "regroup:", "mismatch:", "own"
+
+
+def _mismatch_message(places: dict[int, str], timeout: timedelta) -> str:
+    by_place: dict[str, list[int]] = {}
+    for r, where in sorted(places.items()):
+        by_place.setdefault(where, []).append(r)
+    parts = "; ".join(f"{ranks_str(rs)} in {where}" for where, rs in by_place.items())
+    return (
+        f"elastic.run: the ranks of the generation were in different operations when it failed ({parts}), "
+        f"every heartbeat fresh and nobody gone: this is not a peer's failure but the script's. Every rank "
+        f"must make the same collective calls in the same order: call elastic.save/sync/load/verify and "
+        f"evaluations with collectives on every rank, not on rank 0 only (they elect their writer "
+        f"themselves); a rank that waits for another longer than timeout={timeout.total_seconds():g} s "
+        f"fails (raise timeout, or use world.busy() for long local work on every rank)"
+    )
+
+
+def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeout: timedelta) -> str:
+    """What ended the generation on this rank, agreed by every rank that asks (a `REGROUP`, `MISMATCH` or
+    `OWN` verdict).
+
+    This rank records where it was and has aborted its group already (so that every peer blocked on it
+    fails at once and records too). A member is accounted for when it recorded a failure, is in
+    `World.busy`, announced that it left (its own exception), or is gone: its process exited (same host,
+    known at once) or its heartbeat stays stale past its expiry with no record. A gone or departed member
+    is a peer's failure; with every member present and accounted for, different places are a mismatch
+    (the script's bug), one place for all is nobody's failure. The first verdict written wins.
+    """
+    if isinstance(exc, _EndGeneration):
+        return REGROUP + "ended by agreement"
+    members = gen.membership.members
+    me = gen.membership.rank
+    began = time.monotonic()
+    deadline = began + probe
+    settle = began + float(getattr(rdzv, "expiry", 0.5))
+    places = {me: where_of(exc)}
+    while True:
+        rdzv.progress()
+        agreed = gen.verdict(None)
+        if agreed is not None:
+            return agreed
+        ended = gen.announced()
+        if ended:
+            why = "; ".join(f"rank {r} left the generation ({w})" for r, w in sorted(ended.items()))
+            return gen.verdict(REGROUP + why) or REGROUP + why
+        exited: set[str] = getattr(rdzv, "exited", set)()
+        places.update(gen.records())
+        gone_now = [r for r, m in enumerate(members) if m in exited and r not in places]
+        if gone_now:
+            why = f"rank(s) {gone_now} exited"
+            return gen.verdict(REGROUP + why) or REGROUP + why
+        try:
+            alive = rdzv.alive()
+        except ElasticError:
+            alive = set(members)
+        now = time.monotonic()
+        stale = [r for r, m in enumerate(members) if r not in places and m not in alive]
+        if stale and now >= settle:
+            why = f"rank(s) {stale} stopped heartbeating (dead or hung)"
+            return gen.verdict(REGROUP + why) or REGROUP + why
+        busy = gen.notes()
+        unaccounted = [r for r in range(len(members)) if r not in places and r not in busy]
+        if not unaccounted or now >= deadline:
+            if stale:
+                time.sleep(_POLL)
+                continue  # wait for the settle: a stale member without a record is gone, not elsewhere
+            seen = dict(places)
+            seen.update({r: busy.get(r, RUNNING) for r in unaccounted + list(busy) if r not in places})
+            mine = MISMATCH + _mismatch_message(seen, timeout) if len(set(seen.values())) > 1 else OWN
+            return gen.verdict(mine) or mine
+        time.sleep(_POLL)
+
+
+class _Stalls:
+    """Generations that fail before a step completes at the same tenure, in a row: after `limit` of them
+    `run` stops with their history instead of regrouping forever."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.history: list[str] = []
+        self._tenure: Any = None
+
+    def failed(self, generation: int, started_at: Any, now: Any, why: str) -> ElasticError | None:
+        """Count a failed generation (its tenure when it started and now); the error once past `limit`."""
+        try:
+            stalled = bool(started_at == now)
+            again = bool(self._tenure == now)
+        except Exception:  # tenures that do not compare: count nothing
+            stalled = again = False
+        if not stalled:
+            self.history = []
+            return None
+        if not again:
+            self.history = []
+        self._tenure = now
+        self.history.append(f"generation {generation}: {why}")
+        if len(self.history) < self.limit:
+            return None
+        lines = "\n  ".join(self.history)
+        msg = (
+            f"elastic.run: {len(self.history)} generations in a row failed before a step completed, all at "
+            f"tenure {now!r}; stopping instead of regrouping forever:\n  {lines}\nA worker that dies or "
+            f"hangs at the same point every time (out of memory, a deterministic crash, a collective "
+            f"only some ranks call) causes this; fix it and start again (the state is in memory on the "
+            f"survivors only until they exit: pass ckpt= to keep it)"
+        )
+        return ElasticError(msg)
+
+    def succeeded(self) -> None:
+        """A step completed (the tenure moved) or the generation ended by agreement."""
+        self.history = []
+
+
+def _announce(rendezvous: Any) -> None:
+    """Tell the rendezvous at once that this member regroups (the next round waits for it a little
+    longer than for a silent one)."""
+    announce = getattr(rendezvous, "announce", None)
+    if announce is not None:
+        with contextlib.suppress(Exception):
+            announce()
+
+
+def _strip(exc: BaseException) -> None:
+    """Drop the frames' locals `exc` keeps alive (a DDP module holds the group: its sockets must close)."""
+    for e in _chain(exc):
+        with contextlib.suppress(Exception):
+            traceback.clear_frames(e.__traceback__)
+
+
+class _NcclWatch(threading.Thread):
+    """NCCL only (untested here, no GPU): abort the group from the side when a peer is gone.
+
+    A NCCL collective waiting for a dead or hung peer blocks in a CUDA kernel, where neither the gloo-style
+    error of a closed socket nor a timeout of ours reaches it (NCCL's own watchdog fires after the group's
+    timeout, which `_new_group` sets to twice ours so that this thread acts first). While a generation
+    runs, this thread polls the rendezvous every 0.1 s and, as soon as a member's heartbeat stopped or a
+    member announced the end of the generation, aborts the group (``ncclCommAbort`` on every
+    communicator): the blocked collective then raises in the main thread, where `_judge` finds the
+    same evidence and `run` regroups.
+    """
+
+    PERIOD = 0.1
+
+    def __init__(self, rdzv: Any, gen: _Generation, group: Any) -> None:
+        super().__init__(daemon=True, name=f"elastic-nccl-watch-{gen.membership.generation}")
+        self._rdzv = rdzv
+        self._gen = gen
+        self._group = group
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        members = self._gen.membership.members
+        me = self._gen.membership.rank
+        while not self._stop.wait(self.PERIOD):
+            try:
+                alive = self._rdzv.alive()
+                gone = [r for r, m in enumerate(members) if m not in alive and r != me]
+                if gone or self._gen.announced():
+                    log.warning(
+                        "generation %d: aborting the NCCL group (a peer is gone)",
+                        self._gen.membership.generation,
+                    )
+                    self._group.abort()
+                    return
+            except Exception as exc:  # the watch must never kill the worker
+                log.debug("nccl watch: %s", exc)
+
+    @staticmethod
+    def stop(watch: _NcclWatch | None) -> None:
+        if watch is not None:
+            watch._stop.set()
+            if watch.is_alive():
+                watch.join(timeout=5)
+            watch._group = None
+
+
+# --------------------------------------------------------------------------------------------------------
+# SIGTERM: a planned departure
+
+
+class _Departure:
+    """Installs a SIGTERM handler (main thread only) that asks this worker to leave at its next check."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _Departure:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.requested.is_set():
+            log.info("SIGTERM: leaving at the next check()")
+        self.requested.set()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        msg = f"elastic.run({name}=...) must be an int >= {low}, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_args(
+    fn: Any, min_workers: Any, max_workers: Any, first_workers: Any, check_every: Any, run_id: Any
+) -> None:
+    if not callable(fn):
+        msg = f"elastic.run(fn, state): fn must be callable as fn(state, world), got {fn!r}"
+        raise TypeError(msg)
+    _check_count("min_workers", min_workers, 1)
+    if max_workers is not None:
+        _check_count("max_workers", max_workers, min_workers)
+    if first_workers is not None:
+        _check_count("first_workers", first_workers, min_workers)
+        if max_workers is not None and first_workers > max_workers:
+            msg = f"elastic.run(first_workers={first_workers}) must not exceed max_workers={max_workers}"
+            raise ValueError(msg)
+    _check_count("check_every", check_every, 1)
+    if not isinstance(run_id, str) or not run_id:
+        msg = f"elastic.run(run_id=...) must be a non-empty string, got {run_id!r}"
+        raise ValueError(msg)
+
+
+def _stable_order() -> int | None:
+    """This worker's stable place among the run's workers: its `spawn` slot, else its launcher's rank."""
+    for name in ("ELASTIC_SLOT", "RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _participant_id() -> str:
+    """``<order>.<host>-[slot<k>-]<pid>-<random>``: the order (`_stable_order`, ``x`` when none) ranks the
+    workers of a generation (`_rendezvous.ranked`)."""
+    order = _stable_order()
+    slot = os.environ.get("ELASTIC_SLOT")
+    where = f"slot{slot}-" if slot is not None else ""
+    head = "x" if order is None else str(order)
+    return f"{head}.{socket.gethostname()}-{where}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _start(state: Any, ckpt: Any, timeout: timedelta) -> tuple[int, Any]:
+    """The generation's first collective: load or sync. (elected source, its tenure)"""
+    if ckpt is not None:
+        report = load(state, ckpt, timeout=timeout)
+        return report.src, report.tenure
+
+    sync_report = sync(state, timeout=timeout)
+    return sync_report.src, sync_report.tenure
+
+
+def _tenure_now(state: Any) -> Any:
+    try:
+        return tenure(state)
+    except Exception:
+        return None
+
+
+def run(
+    fn: Callable[[Any, World], Any],
+    state: Any,
+    *,
+    rdzv: str | None = None,
+    run_id: str = "elastic",
+    min_workers: int = 1,
+    max_workers: int | None = None,
+    first_workers: int | None = None,
+    ckpt: str | os.PathLike[str] | None = None,
+    timeout: timedelta | float | None = None,
+    join_timeout: timedelta | float | None = None,
+    check_every: int = 1,
+) -> Any:
+    """Run ``fn(state, world)`` in generations that survive failures; call it in every worker process.
+
+    Every worker is one participant of the rendezvous at `rdzv` (``"host:port"``, default
+    ``$ELASTIC_RDZV``; served by ``elastic.spawn(..., restart="worker")`` or ``python -m elastic.store``).
+    Each generation has `min_workers` to `max_workers` members, a fresh default process group (gloo; NCCL
+    when the state holds CUDA tensors), then ``elastic.load(state, ckpt)`` when `ckpt` is given, else
+    ``elastic.sync(state)``: the most tenured state wins, newcomers receive; the gradients of the state's
+    modules and optimizers are cleared (None) on every member; then ``fn(state, world)``.
+
+    - A communication failure caused by a peer that died, hung (no progress for `timeout`) or left ends
+      the generation on every survivor; the next one forms with whoever is alive or waiting. At most the
+      step in flight is lost. Build objects bound to the group (DDP, samplers' worlds) inside ``fn``.
+    - A failure with every member alive and present, the ranks in different operations (rank 0 in
+      ``save``, the others in DDP's all-reduce) is the script's bug: every rank raises `ElasticError`
+      saying which rank was where. Generations that keep failing before a step completes, at one tenure,
+      end after a few (`STALL_LIMIT`) in an `ElasticError` with their history.
+    - ``world.check()``, called by every rank once per step, ends the generation at the same call on
+      every rank when a worker waits to join or leaves (every `check_every`-th call exchanges the flag).
+    - Any other exception from ``fn`` propagates out of `run` on its rank, after its group is aborted.
+    - SIGTERM (a preemption notice) is a planned departure: the step finishes, the worker leaves at its
+      next ``check()`` with the others, and `run` returns None there; the others lose no step. (The
+      handler is installed only when `run` is called from the main thread, and restored on return.)
+    - Fewer than `min_workers` alive: wait for joiners until `join_timeout` (default 600 s), then
+      `ElasticError`. `timeout` (default 60 s) bounds every collective and the store's operations, and is
+      how long a worker may make no progress (``check()``, a collective of elastic's) before it counts as
+      hung: wrap long local work in ``with world.busy():``.
+    - Ranks follow the workers' stable order (`spawn` slot, else launcher rank), so tenure ties go alike
+      in two runs started alike.
+
+    Args:
+        fn: ``fn(state, world)``, called once per generation; its value is returned.
+        state: an ``@elastic_state`` instance, kept in memory across generations.
+        rdzv: the rendezvous store's ``"host:port"`` (default ``$ELASTIC_RDZV``).
+        run_id: names the run in the store (several runs may share one store).
+        min_workers: the fewest members a generation may have.
+        max_workers: the most members a generation may have (None: no limit).
+        first_workers: the first generation forms only with this many workers (torchrun's
+            ``--nnodes=MIN:MAX`` waits for MAX only at its last call; this waits for all of them, within
+            `join_timeout`); later generations need `min_workers`. None: `min_workers`.
+        ckpt: a checkpoint root (path or fsspec URL): each generation starts with ``load(state, ckpt)``.
+        timeout: bound of every collective and of a worker's silence (seconds or timedelta).
+        join_timeout: how long a generation may take to form.
+        check_every: every how many ``world.check()`` calls the flag is exchanged.
+
+    Returns:
+        fn's value; None after a planned departure, or at once when the run had already finished (fn
+        returned in some generation) before this worker could join.
+
+    Raises:
+        ElasticError: no generation formed within `join_timeout`; the store was unreachable for
+            `timeout`; the ranks were in different operations (the script's bug); too many generations
+            failed in a row before a step completed.
+        TypeError, ValueError: bad arguments.
+    """
+    _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
+    release_connections_in_forked_children()
+    config_of(state, "elastic.run()")
+    td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
+    join_td = as_timedelta(join_timeout, "elastic.run") or DEFAULT_JOIN_TIMEOUT
+
+    host, port = parse_address(rdzv)
+    store = connect(host, port, timeout=td)
+    participant = _participant_id()
+    rendezvous = Rendezvous(
+        store,
+        run_id,
+        participant,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        first_workers=first_workers,
+        join_timeout=join_td,
+        timeout=td,
+        address=format_address(host, port),
+    )
+    try:
+        with _Departure() as departure:
+            loop = _Loop(
+                fn=fn,
+                state=state,
+                store=store,
+                rendezvous=rendezvous,
+                departure=departure,
+                backend="nccl" if _uses_cuda(state) else "gloo",
+                ckpt=ckpt,
+                timeout=td,
+                check_every=check_every,
+            )
+            return loop.run()
+    finally:
+        rendezvous.close()
+
+
+@attrs.define
+class _Loop:
+    """The generations of one `run` call: each forms, starts, runs ``fn`` and ends in one of four ways."""
+
+    fn: Callable[[Any, World], Any]
+    state: Any
+    store: Any
+    rendezvous: Any
+    departure: _Departure
+    backend: str
+    ckpt: Any
+    timeout: timedelta
+    check_every: int
+    stalls: _Stalls = attrs.field(factory=lambda: _Stalls(STALL_LIMIT))
+    ended_at: float = attrs.field(factory=time.monotonic)
+
+    @property
+    def probe(self) -> float:
+        return _probe_seconds(self.timeout, self.rendezvous)
+
+    def run(self) -> Any:
+        while True:
+            self.rendezvous.progress()
+            membership = self.rendezvous.join()
+            if membership is None:
+                log.info("run: the run is already finished; nothing to do")
+                return None
+            outcome = self.generation(membership)
+            if outcome is not _AGAIN:
+                return outcome
+
+    def generation(self, membership: Any) -> Any:
+        """One generation: `_AGAIN` when the next one must form, else `run`'s return value."""
+        gen = _Generation(self.store, membership)
+        try:
+            group = _new_group(self.store, membership, self.backend, self.timeout)
+        except Exception as exc:
+            _strip(exc)
+            gen.announce("process group failed to form")
+            _abort_group()
+            log.warning(
+                "generation %d: the process group did not form (%s: %s); regrouping",
+                membership.generation,
+                type(exc).__name__,
+                _first_line(exc),
+            )
+            self.ended_at = time.monotonic()
+            return _AGAIN
+        world = World(
+            rank=membership.rank,
+            size=membership.size,
+            generation=membership.generation,
+            group=group,
+            rdzv=self.rendezvous,
+            check_every=self.check_every,
+            leave_requested=self.departure.requested.is_set,
+            timeout=self.timeout,
+            note=gen.note,
+        )
+        watch = _NcclWatch(self.rendezvous, gen, group) if self.backend == "nccl" else None
+        del group
+        started_at: Any = None
+        try:
+            if watch is not None:
+                watch.start()
+            self.rendezvous.progress()
+            src, started_at = _start(self.state, self.ckpt, self.timeout)
+            clear_grads(self.state)
+            self.rendezvous.progress()
+            log.info(
+                "generation %d: %d workers, rank %d, source rank %d (tenure %r), regrouped in %.2f s",
+                membership.generation,
+                membership.size,
+                membership.rank,
+                src,
+                started_at,
+                time.monotonic() - self.ended_at,
+            )
+            result = self.fn(self.state, world)
+        except _EndGeneration as end:
+            self.ended_at = time.monotonic()
+            _NcclWatch.stop(watch)
+            if not end.leaving:
+                _announce(self.rendezvous)
+            _strip(end)
+            world.group = None
+            _destroy_group()
+            self.stalls.succeeded()
+            if end.leaving:
+                log.info("generation %d: left as asked (SIGTERM)", membership.generation)
+                return None
+            log.info("generation %d: ends at this check(): a worker joins or leaves", membership.generation)
+            return _AGAIN
+        except BaseException as exc:
+            self.ended_at = time.monotonic()
+            _NcclWatch.stop(watch)
+            _strip(exc)
+            world.group = None
+            return self.failed(exc, gen, membership, started_at)
+        _NcclWatch.stop(watch)
+        self.rendezvous.finish()
+        world.group = None
+        _destroy_group()
+        return result
+
+    def failed(self, exc: BaseException, gen: _Generation, membership: Any, started_at: Any) -> Any:
+        """The generation failed on this rank with `exc`: regroup (`_AGAIN`), return None, or raise."""
+        if not (isinstance(exc, Exception) and _communication_kind(exc)):
+            gen.announce(f"raised {type(exc).__name__}")
+            _abort_group()
+            raise exc
+        # Record where this rank was and abort at once: every peer blocked on this rank fails now and
+        # records where it was, so that `_judge` sees every member within milliseconds.
+        gen.record(where_of(exc))
+        _abort_group()
+        verdict = _judge(exc, self.rendezvous, gen, self.probe, self.timeout)
+        if verdict.startswith(MISMATCH):
+            gen.announce("raised ElasticError")
+            raise ElasticError(verdict[len(MISMATCH) :]) from exc
+        if not verdict.startswith(REGROUP):
+            gen.announce(f"raised {type(exc).__name__}")
+            raise exc
+        why = verdict[len(REGROUP) :]
+        leaving = self.departure.requested.is_set()
+        if leaving:
+            self.rendezvous.leave()  # SIGTERM came first: the others need not wait for this member
+        else:
+            _announce(self.rendezvous)
+        gen.announce("saw the group fail")
+        text = _first_line(exc) or type(exc).__name__
+        stalled = self.stalls.failed(membership.generation, started_at, _tenure_now(self.state), why)
+        del exc
+        log.warning(
+            "generation %d: communication failed (%s: %s); regrouping", membership.generation, why, text
+        )
+        if leaving:
+            log.info("generation %d: SIGTERM received; not rejoining", membership.generation)
+            return None
+        if stalled is not None:
+            self.rendezvous.leave()
+            raise stalled
+        return _AGAIN
+
+
+#: `_Loop.generation`'s value when the next generation must form.
+_AGAIN: Any = object()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""

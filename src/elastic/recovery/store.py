@@ -1,0 +1,83 @@
+"""The rendezvous store: a torch `TCPStore` that outlives the workers.
+
+`serve` runs the server (in `elastic.spawn(restart="worker")`'s caller, or `python -m elastic.store` for
+many machines); every worker `connect`s to it as a client. Addresses are ``"host:port"``, given to
+`elastic.run(rdzv=...)` or in the ``ELASTIC_RDZV`` environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic._util.errors import ElasticError
+
+__all__ = ["RDZV_ENV", "connect", "format_address", "parse_address", "serve"]
+
+RDZV_ENV = "ELASTIC_RDZV"
+
+
+def parse_address(rdzv: str | None) -> tuple[str, int]:
+    """``(host, port)`` of ``"host:port"``, or of ``$ELASTIC_RDZV`` when `rdzv` is None.
+
+    IPv6 hosts are written in brackets (``"[::1]:29400"``). ElasticError when neither is given or the
+    address is malformed.
+    """
+    source = "rdzv"
+    if rdzv is None:
+        rdzv = os.environ.get(RDZV_ENV)
+        source = f"${RDZV_ENV}"
+        if not rdzv:
+            msg = (
+                f"elastic: no rendezvous address: pass rdzv='host:port' or set the environment variable "
+                f"{RDZV_ENV}=host:port (a store served by `python -m elastic.store --port P` or by "
+                f"elastic.spawn(..., restart='worker'))"
+            )
+            raise ElasticError(msg)
+    text = rdzv.strip()
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        msg = (
+            f"elastic: rendezvous address {source}={rdzv!r} is not 'host:port' with a port in 1..65535; "
+            f"write it like '127.0.0.1:29400'"
+        )
+        raise ElasticError(msg)
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """``"host:port"`` (IPv6 hosts in brackets), the inverse of `parse_address`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def connect(host: str, port: int, *, timeout: timedelta) -> dist.Store:
+    """A client of the store at `host`:`port`; ElasticError naming the address when it is not reachable
+    within `timeout` (every later operation is bounded by `timeout` too)."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        msg = (
+            f"elastic: cannot reach the rendezvous store at {format_address(host, port)} within "
+            f"{timeout.total_seconds():g} s ({exc}); start it with `python -m elastic.store --host {host} "
+            f"--port {port}` or check {RDZV_ENV}"
+        )
+        raise ElasticError(msg) from exc
+
+
+def serve(host: str, port: int, *, timeout: timedelta) -> dist.TCPStore:
+    """Serve a store on `host`:`port` in this process (port 0: a free port, read it from ``.port``).
+
+    The server lives as long as the returned object; `timeout` bounds the operations of its own client.
+    """
+    try:
+        return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        msg = (
+            f"elastic: cannot serve a rendezvous store on {format_address(host, port)} ({exc}); choose a "
+            f"free port (or 0 for any) and an address of this machine"
+        )
+        raise ElasticError(msg) from exc

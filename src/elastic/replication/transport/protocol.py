@@ -1,0 +1,65 @@
+"""The `Transport` seam: how `sync` moves the source's tensors to every receiver.
+
+`sync` talks to a transport object: the source asks it for a `plan` of its tensors (a picklable value that
+travels to the receivers with the tensor metadata), then the source calls `send` and every receiver
+`receive`, each with the same metadata and plan; a receiver allocates the tensors it lacks on
+`device_for(meta, comm)`. `BroadcastTransport` (the group's broadcasts) and `SharedMemoryTransport` (a
+memfd ring on one host) implement it; another transport (point-to-point sends to a joining rank, a
+CUDA-IPC or RDMA path) implements the same four methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from elastic.replication.comm import Comm
+from elastic.state.tree import TensorMeta
+
+__all__ = ["OnError", "Transport"]
+
+OnError = Callable[[BaseException], None]
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """How `sync` moves the source's tensors to every receiver once the objects are known.
+
+    Every method is called on every rank of the transfer with the same `metas` and `plan`. A local
+    failure (packing, writing) goes to `on_error` and the transfer goes on, so that no rank is left
+    waiting; a communication failure raises `SyncError` (from `Comm`).
+    """
+
+    def plan(self, tensors: list[torch.Tensor], comm: Comm) -> Any:
+        """The source's plan for moving `tensors` (picklable: it travels with the tensor metadata)."""
+        ...
+
+    def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
+        """Where a receiver allocates an incoming tensor it has no place for."""
+        ...
+
+    def send(
+        self,
+        comm: Comm,
+        src: int,
+        tensors: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The source's half (never writes to `tensors`)."""
+        ...
+
+    def receive(
+        self,
+        comm: Comm,
+        src: int,
+        targets: list[torch.Tensor],
+        metas: list[TensorMeta],
+        plan: Any,
+        on_error: OnError,
+    ) -> None:
+        """The receivers' half: the source's tensors written into `targets` (in place: storage kept)."""
+        ...

@@ -1,0 +1,454 @@
+"""The round protocol: its decision logic, every interleaving of a few participants (tests/rdzv_model.py),
+the SPIN model when spin is installed, and real processes on a served store (no process groups)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import elastic.recovery.rendezvous as rendezvous
+from elastic import ElasticError
+from elastic.recovery.rendezvous import Log, decide, parse_log, pending_from
+from rdzv_model import Config, explore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------------- decision logic
+
+
+def test_parse_log_first_proposal_wins_and_leaves_remove_joins() -> None:
+    raw = b"+c,+a,~b,+b,+a,=a|b|c,=b|c,-c,!,"
+    got = parse_log(raw)
+    assert got == Log(
+        joined=("a", "b"),
+        announced=frozenset({"b"}),
+        left=frozenset({"c"}),
+        decision=("a", "b", "c"),
+        finished=True,
+    )
+    assert parse_log(b"") == Log()
+
+
+def _decide(prev: tuple[str, ...], log: Log, dead: set[str] = frozenset(), **kw: Any) -> Any:  # type: ignore[assignment]
+    def alive(p: str) -> bool:
+        return p not in dead
+
+    unready = kw.pop("unready", set())
+    args = {"min_workers": 1, "max_workers": 1 << 30, "quiet": False, **kw}
+    return decide(prev, log, alive=alive, ready=lambda p: alive(p) and p not in unready, **args)
+
+
+def test_decide_closes_once_every_live_previous_member_joined() -> None:
+    prev = ("a", "b", "c")
+    # c is alive and has not joined: wait for it
+    assert _decide(prev, Log(joined=("b", "a"))) is None
+    # c is dead: close at once, previous members first in their previous order, no last call
+    assert _decide(prev, Log(joined=("b", "a")), dead={"c"}) == ("a", "b")
+    # c left: same
+    assert _decide(prev, Log(joined=("b", "a"), left=frozenset({"c"}))) == ("a", "b")
+    # newcomers after the previous members, in join order
+    assert _decide(prev, Log(joined=("n2", "b", "n1", "a", "c"))) == ("a", "b", "c", "n2", "n1")
+
+
+def test_decide_waits_for_unready_joiners_and_respects_min_max_and_last_call() -> None:
+    prev = ("a", "b")
+    # a newcomer not yet seen beating delays the round (while alive); a dead one does not
+    assert _decide(prev, Log(joined=("a", "b", "n")), unready={"n"}) is None
+    assert _decide(prev, Log(joined=("a", "b", "n")), unready={"n"}, dead={"n"}) == ("a", "b")
+    # fewer than min_workers: wait
+    assert _decide(prev, Log(joined=("a",)), dead={"b"}, min_workers=2) is None
+    # max_workers: previous members first, at once
+    assert _decide(prev, Log(joined=("n", "a", "b")), max_workers=2) == ("a", "b")
+    # a round no previous member joined waits for a quiet last call, unless max_workers joined
+    assert _decide((), Log(joined=("x", "y"))) is None
+    assert _decide((), Log(joined=("x", "y")), quiet=True) == ("x", "y")
+    assert _decide((), Log(joined=("x", "y")), max_workers=2) == ("x", "y")
+    assert _decide(prev, Log(joined=("x",)), dead={"a", "b"}) is None
+    assert _decide(prev, Log(joined=("x",)), dead={"a", "b"}, quiet=True) == ("x",)
+
+
+def test_pending_from_next_round_log() -> None:
+    members = ("a", "b")
+    assert not pending_from(b"", members, 1 << 30)
+    assert pending_from(b"+n,", members, 1 << 30)  # a newcomer waits
+    assert not pending_from(b"+n,", members, 2)  # ... but the generation is full
+    assert pending_from(b"~a,", members, 2)  # a member announced a regroup
+    assert pending_from(b"-b,", members, 2)  # a member left
+    assert pending_from(b"+n,=n,", members, 2)  # a newer generation formed without us: stale
+    assert pending_from(b"!,", members, 2)  # the run finished
+
+
+# ------------------------------------------------------------------------------ every interleaving
+
+SCENARIOS = {
+    # two workers start together; one may crash at any point
+    "start-2-crash": Config(names=("a", "b"), crashes=1),
+    # generation {a,b,c}; one crashes; one wrong heartbeat judgement (a hung or GIL-stalled live member)
+    "gen3-crash-suspect": Config(names=("a", "b", "c"), initial=("a", "b", "c"), crashes=1, suspicions=1),
+    # generation {a,b} and a newcomer c; one crash anywhere
+    "gen2-newcomer-crash": Config(names=("a", "b", "c"), initial=("a", "b"), crashes=1),
+    # generation {a,b} full (max_workers=2), a spare c; one leaves, one finishes
+    "gen2-full-leave-finish": Config(
+        names=("a", "b", "c"), initial=("a", "b"), max_workers=2, leaves=1, finishes=1, crashes=0
+    ),
+    # generation {a,b}, min_workers=2, one crash and one spurious regroup per worker
+    "gen2-min2-spurious": Config(names=("a", "b"), initial=("a", "b"), min_workers=2, crashes=1, spurious=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_interleaving_keeps_the_properties(name: str) -> None:
+    """Safety in every reachable state and a fair way to quiescence from each (tests/rdzv_model.py)."""
+    cfg = SCENARIOS[name]
+    result = explore(cfg)
+    assert result.states > 1000, result  # the search really branched
+    rounds = {n for n, _ in result.decided_sizes}
+    assert len(rounds) >= 2, result  # regroups happened
+    if cfg.suspicions or not cfg.initial:
+        assert result.stragglers > 0, result  # stragglers were exercised and became newcomers
+
+
+def test_model_catches_a_straggler_that_trains_anyway(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search finds a protocol bug: a participant that finds its round decided without it and takes
+    the generation all the same (a second group) violates "one membership per generation"."""
+    import attrs
+
+    def careless(j: rendezvous.Joiner, members: tuple[str, ...]) -> rendezvous.Joiner:
+        return attrs.evolve(j, phase="done", decision=members, proposal=())
+
+    monkeypatch.setattr(rendezvous, "_decided", careless)
+    with pytest.raises(AssertionError, match="thinks it is in generation"):
+        explore(Config(names=("a", "b", "c"), initial=("a", "b", "c"), crashes=1, suspicions=1))
+
+
+@pytest.mark.skipif(shutil.which("spin") is None or shutil.which("gcc") is None, reason="spin or gcc missing")
+def test_spin_model_has_no_errors(tmp_path: Path) -> None:
+    model = tmp_path / "rendezvous.pml"
+    shutil.copy(ROOT / "docs" / "rendezvous.pml", model)
+    subprocess.run(["spin", "-a", model.name], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        ["gcc", "-O2", "-DSAFETY", "-DNOREDUCE", "-o", "pan", "pan.c"], cwd=tmp_path, check=True, timeout=120
+    )
+    out = subprocess.run(["./pan", "-m100000"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "errors: 0" in out.stdout, out.stdout
+    stored = re.search(r"(\d+) states, stored", out.stdout)
+    assert stored is not None and int(stored.group(1)) > 1000, out.stdout
+
+
+# ------------------------------------------------------------------------------------ real processes
+
+TIMEOUT = timedelta(seconds=3)
+
+
+def _participant(port: int, name: str, commands: Any, events: Any) -> None:
+    """A worker that trains (progress + pending) and regroups on command or when pending()."""
+    from elastic.recovery.rendezvous import Rendezvous
+    from elastic.recovery.store import connect
+
+    store = connect("127.0.0.1", port, timeout=TIMEOUT)
+    rdzv = Rendezvous(
+        store,
+        "test",
+        name,
+        join_timeout=timedelta(seconds=60),
+        timeout=TIMEOUT,
+        address=f"127.0.0.1:{port}",
+        last_call=timedelta(seconds=0.3),
+    )
+
+    def join() -> bool:
+        try:
+            m = rdzv.join()
+        except ElasticError as exc:
+            events.put((name, "error", str(exc)))
+            return False
+        events.put((name, "member", None if m is None else (m.generation, m.rank, m.members)))
+        return m is not None
+
+    running = join()
+    while running:
+        rdzv.progress()
+        try:
+            command = commands.get(timeout=0.01)
+        except queue.Empty:
+            command = None
+        if command == "regroup":
+            rdzv.announce()
+            running = join()
+        elif command == "finish":
+            rdzv.finish()
+            events.put((name, "finished", None))
+            command = commands.get(timeout=60)
+            if command == "join":
+                join()
+            running = False
+        elif rdzv.pending():
+            events.put((name, "pending", rdzv.generation))
+            running = join()
+    rdzv.close()
+
+
+def _next(events: dict[str, Any], names: list[str], deadline: float) -> tuple[str, str, Any]:
+    """The next event of any of `names` (each participant has its own queue: killing one cannot break
+    the queue of another)."""
+    while True:
+        for name in names:
+            try:
+                return events[name].get(timeout=0.02)
+            except queue.Empty:
+                pass
+        if time.monotonic() > deadline:
+            msg = f"no event from {names} in time"
+            raise TimeoutError(msg)
+
+
+def _expect(events: dict[str, Any], want: dict[str, str], timeout: float = 60) -> dict[str, Any]:
+    """The next event of each participant named in `want` (`pending` notes skipped unless wanted)."""
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    while set(got) != set(want):
+        name, kind, data = _next(events, [n for n in want if n not in got], deadline)
+        if kind == "pending" and want[name] != "pending":
+            continue
+        assert kind == want[name], (name, kind, data)
+        got[name] = data
+    return got
+
+
+def _settle(events: dict[str, Any], names: list[str], size: int) -> tuple[int, tuple[str, ...]]:
+    """Wait until `names` are the members of one generation of `size`; (generation, members)."""
+    last: dict[str, Any] = {}
+    deadline = time.monotonic() + 60
+    while True:
+        name, kind, data = _next(events, names, deadline)
+        if kind == "member":
+            last[name] = data
+        if all(n in last for n in names):
+            views = {(last[n][0], last[n][2]) for n in names}
+            if len(views) == 1:
+                generation, members = views.pop()
+                if len(members) == size:
+                    assert sorted(last[n][1] for n in names) == list(range(size))
+                    return generation, members
+
+
+@pytest.mark.timeout(240)
+def test_processes_regroup_after_kill_and_hang_join_finish_and_store_loss(tmp_path: Path) -> None:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "elastic.store", "--host", "127.0.0.1", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    try:
+        assert server.stderr is not None
+        line = server.stderr.readline()
+        found = re.search(r"serving the rendezvous store at 127\.0\.0\.1:(\d+)", line)
+        assert found, line
+        port = int(found.group(1))
+        ctx = mp.get_context("spawn")
+        names = ("w0", "w1", "w2", "w3", "w4")
+        events = {n: ctx.Queue() for n in names}
+        commands = {n: ctx.Queue() for n in names}
+        procs = {
+            n: ctx.Process(target=_participant, args=(port, n, commands[n], events[n]), daemon=True)
+            for n in ("w0", "w1", "w2")
+        }
+        for p in procs.values():
+            p.start()
+        try:
+            _run_scenario(port, procs, commands, events, ctx, server)
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
+                p.join(timeout=10)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _run_scenario(
+    port: int, procs: dict[str, Any], commands: Any, events: dict[str, Any], ctx: Any, server: Any
+) -> None:
+    g0, members0 = _settle(events, ["w0", "w1", "w2"], 3)
+    assert set(members0) == {"w0", "w1", "w2"}
+
+    # a dead worker: the survivors agree on the next generation, of 2, without waiting for a last call
+    procs["w2"].kill()
+    procs["w2"].join(timeout=10)
+    for n in ("w0", "w1"):
+        commands[n].put("regroup")
+    got = _expect(events, {"w0": "member", "w1": "member"})
+    assert got["w0"][0] == got["w1"][0] > g0
+    assert got["w0"][2] == got["w1"][2] == tuple(m for m in members0 if m != "w2")
+    assert {got["w0"][1], got["w1"][1]} == {0, 1}
+    g1 = got["w0"][0]
+
+    # a newcomer: pending() turns True on the members, and the next generation admits it last
+    procs["w3"] = ctx.Process(
+        target=_participant, args=(port, "w3", commands["w3"], events["w3"]), daemon=True
+    )
+    procs["w3"].start()
+    pend = _expect(events, {"w0": "pending", "w1": "pending"})
+    assert pend == {"w0": g1, "w1": g1}
+    got = _expect(events, {"w0": "member", "w1": "member", "w3": "member"})
+    assert len({(v[0], v[2]) for v in got.values()}) == 1  # one generation, agreed by every member
+    assert sorted(v[1] for v in got.values()) == [0, 1, 2]
+    g2, rank3, members2 = got["w3"]
+    assert g2 > g1 and rank3 == 2 and members2[2] == "w3"
+
+    # a hung worker (SIGSTOP): excluded; after SIGCONT it is a straggler, then a newcomer of a later one
+    os.kill(procs["w3"].pid, signal.SIGSTOP)
+    time.sleep(0.2)
+    for n in ("w0", "w1"):
+        commands[n].put("regroup")
+    got = _expect(events, {"w0": "member", "w1": "member"})
+    g3 = got["w0"][0]
+    assert got["w1"][0] == g3 > g2 and "w3" not in got["w0"][2]
+    os.kill(procs["w3"].pid, signal.SIGCONT)
+    g4, members4 = _settle(events, ["w0", "w1", "w3"], 3)
+    assert g4 > g3 and members4[2] == "w3"
+
+    # finish: a later joiner gets None at once
+    commands["w0"].put("finish")
+    assert _expect(events, {"w0": "finished"}) == {"w0": None}
+    late = ctx.Process(target=_participant, args=(port, "w4", commands["w4"], events["w4"]), daemon=True)
+    late.start()
+    procs["w4"] = late
+    assert _expect(events, {"w4": "member"}) == {"w4": None}
+
+    # the store dies: the next join raises ElasticError naming its address after `timeout`
+    server.kill()
+    server.wait(timeout=10)
+    commands["w0"].put("join")
+    got = _expect(events, {"w0": "error"})
+    assert f"127.0.0.1:{port}" in got["w0"] and "unreachable" in got["w0"]
+
+
+# ------------------------------------------------------------------------- in one process, threads
+
+
+def _pair(port: int, **kw: Any) -> list[rendezvous.Rendezvous]:
+    from elastic.recovery.store import connect
+
+    return [
+        rendezvous.Rendezvous(
+            connect("127.0.0.1", port, timeout=TIMEOUT),
+            "threads",
+            name,
+            join_timeout=kw.get("join_timeout", timedelta(seconds=30)),
+            timeout=kw.get("timeout", timedelta(seconds=1)),
+            address=f"127.0.0.1:{port}",
+            max_workers=kw.get("max_workers"),
+            min_workers=kw.get("min_workers", 1),
+        )
+        for name in kw.get("names", ("a", "b"))
+    ]
+
+
+def _join_all(parts: list[rendezvous.Rendezvous]) -> list[Any]:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+        return list(pool.map(lambda r: r.join(), parts))
+
+
+def test_a_participant_without_progress_stops_beating_and_the_store_loss_is_soft() -> None:
+    from elastic.recovery.store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    a, b = _pair(server.port, max_workers=2)
+    try:
+        ma, mb = _join_all([a, b])
+        assert ma.generation == mb.generation == 0 and ma.members == mb.members
+        assert sorted(ma.members) == ["a", "b"] and ma.size == 2
+        assert (ma.rank, mb.rank) == (ma.members.index("a"), ma.members.index("b"))
+        assert ma.prefix == mb.prefix == "elastic/threads/pg/0/"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # b keeps making progress, a does not
+            b.progress()
+            time.sleep(0.05)
+            if b.alive() == {"b"}:
+                break
+        assert b.alive() == {"b"}  # a's thread stopped beating: no progress for `timeout` (hung)
+        a.progress()
+        deadline = time.monotonic() + 5
+        while b.alive() != {"a", "b"} and time.monotonic() < deadline:
+            b.progress()
+            time.sleep(0.05)
+        assert b.alive() == {"a", "b"}  # progress again: beating again
+        assert not a.pending() and not b.pending()
+        a.announce()
+        deadline = time.monotonic() + 5
+        while not b.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.pending()  # a member announced a regroup: the others' pending() turns True
+        del server  # the store dies: pending() and alive() fail soft, join() raises naming it
+        time.sleep(0.3)
+        assert b.pending() is True and isinstance(b.alive(), set)
+        with pytest.raises(ElasticError, match=r"store at 127\.0\.0\.1:\d+ has been unreachable"):
+            b.join()
+    finally:
+        a.close()
+        b.close()
+        b.close()  # idempotent
+
+
+def test_join_timeout_when_fewer_than_min_workers_and_participant_ids() -> None:
+    from elastic.recovery.store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    (alone,) = _pair(server.port, names=("solo",), min_workers=2, join_timeout=timedelta(seconds=1.5))
+    try:
+        with pytest.raises(
+            ElasticError, match=r"no generation formed within join_timeout=1\.5 s.*min_workers=2"
+        ):
+            alone.join()
+    finally:
+        alone.close()
+    with pytest.raises(ElasticError, match="participant id 'a,b'"):
+        _pair(server.port, names=("a,b",))
+    with pytest.raises(ElasticError, match="min_workers=3, max_workers=2"):
+        _pair(server.port, min_workers=3, max_workers=2)
+    del server
+
+
+def test_a_participant_whose_process_exited_on_this_host_is_dead_at_once() -> None:
+    from elastic.recovery.store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    (me,) = _pair(server.port, names=("me",))
+    space = rendezvous.process_space()
+    assert space  # Linux: boot id and pid namespace
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    store = me._store
+    store.set(rendezvous.where_key("ghost"), f"{space}|{exited.pid}")  # this host, process gone
+    store.set(rendezvous.where_key("peer"), f"{space}|{os.getpid()}")  # this host, running
+    store.set(rendezvous.where_key("far"), f"another-boot:1|{exited.pid}")  # another host: pid says nothing
+    try:
+        names = ["ghost", "peer", "far", "unknown"]
+        me._locate(store, names)
+        assert me._pids == {"ghost": exited.pid, "peer": os.getpid(), "far": None}
+        now = time.monotonic()
+        # Within any expiry: the exited process is dead at once; the others are judged by heartbeats
+        # (never seen yet: fresh).
+        assert [me._fresh(p, now, 1e9) for p in names] == [False, True, True, True]
+    finally:
+        me.close()
+    del server

@@ -1,0 +1,78 @@
+"""The rendezvous store: addresses, serve/connect, and `python -m elastic.store`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from elastic import ElasticError
+from elastic.recovery.store import RDZV_ENV, connect, format_address, parse_address, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parse_address_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_address("127.0.0.1:29400") == ("127.0.0.1", 29400)
+    assert parse_address(" node-7.cluster:1 ") == ("node-7.cluster", 1)
+    assert parse_address("[::1]:29400") == ("::1", 29400)
+    assert format_address("::1", 29400) == "[::1]:29400"
+    assert format_address("h", 5) == "h:5"
+    monkeypatch.setenv(RDZV_ENV, "10.0.0.2:1234")
+    assert parse_address(None) == ("10.0.0.2", 1234)
+    monkeypatch.delenv(RDZV_ENV)
+    with pytest.raises(ElasticError, match=r"no rendezvous address.*ELASTIC_RDZV=host:port"):
+        parse_address(None)
+
+
+@pytest.mark.parametrize("bad", ["localhost", ":29400", "host:", "host:0", "host:70000", "host:x1"])
+def test_parse_address_rejects_malformed(bad: str) -> None:
+    with pytest.raises(ElasticError, match=re.escape(repr(bad))):
+        parse_address(bad)
+
+
+def test_serve_and_connect_share_keys_and_name_unreachable_address() -> None:
+    server = serve("127.0.0.1", 0, timeout=timedelta(seconds=5))
+    client = connect("127.0.0.1", server.port, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    taken = server.port
+    with pytest.raises(ElasticError, match=rf"cannot serve a rendezvous store on 127\.0\.0\.1:{taken}"):
+        serve("127.0.0.1", taken, timeout=timedelta(seconds=1))
+    del client, server
+    with pytest.raises(ElasticError, match=rf"cannot reach the rendezvous store at 127\.0\.0\.1:{taken}"):
+        connect("127.0.0.1", taken, timeout=timedelta(seconds=1))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_entry_point_logs_its_address_serves_and_exits_cleanly(signum: int) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic.store", "--host", "127.0.0.1", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(
+            r"serving the rendezvous store at 127\.0\.0\.1:(\d+) \(workers: ELASTIC_RDZV=", line
+        )
+        assert found, line
+        client = connect("127.0.0.1", int(found.group(1)), timeout=timedelta(seconds=5))
+        client.set("alive", "1")
+        assert client.get("alive") == b"1"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read()
+        assert f"received {signal.Signals(signum).name}, stopping" in rest
+        assert "stopped serving 127.0.0.1:" in rest
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
