@@ -129,3 +129,30 @@ def run_on_ranks(
         codes = {r: procs[r].exitcode for r in missing}
         raise RankFailure(f"ranks {missing} reported nothing (exit codes {codes}) within {timeout}s")
     return [results.get(r) for r in range(world)]
+
+
+#: The transports the sync-heavy tests run on: the default (shared memory on one host) and the broadcasts
+#: every other group uses.
+TRANSPORTS = ("shared-memory", "broadcast")
+
+
+def use_transport(kind: str, *, bucket_bytes: int, direct_bytes: int | None = None) -> None:
+    """Make `kind` (one of `TRANSPORTS`) the default transport, with buckets small enough that a test's
+    small state spans many of them (and the shared-memory path is taken however few bytes move)."""
+    from elastic.replication.transport import broadcast, default, shm
+
+    options: dict[str, int] = {"bucket_bytes": bucket_bytes}
+    if direct_bytes is not None:
+        options["direct_bytes"] = direct_bytes
+    fallback = broadcast.BroadcastTransport(**options)
+    if kind == "broadcast":
+        default.set_default_transport(fallback)
+    elif kind == "shared-memory":
+        ramp = min(broadcast.RAMP_MIN, bucket_bytes)
+        chosen = shm.SharedMemoryTransport(
+            bucket_bytes=bucket_bytes, min_bytes=0, ramp_min=ramp, fallback=fallback
+        )
+        default.set_default_transport(chosen)
+    else:
+        msg = f"unknown transport {kind!r}; use one of {TRANSPORTS}"
+        raise ValueError(msg)

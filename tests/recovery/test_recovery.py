@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from dist_harness import run_on_ranks
+from dist_harness import TRANSPORTS, run_on_ranks, use_transport
 
 
 @elastic.elastic_state(tenure="step")
@@ -39,13 +39,10 @@ def _train(s: S, steps: int) -> None:
         s.step += 1
 
 
-def _body(proc: int, nprocs: int) -> dict[str, Any]:
+def _body(proc: int, nprocs: int, transport: str) -> dict[str, Any]:
     """Processes 0, 1, 2 form generation 0; 2 dies mid-sync; 0, 1 and the new process 3 form generation 1."""
-    import elastic.replication.transport.broadcast as transport
-    import elastic.replication.transport.default as transports
-
     # several buckets, so that a death lands mid-transfer
-    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024))
+    use_transport(transport, bucket_bytes=1024)
     port = int(os.environ["MASTER_PORT"])
     store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=proc == 0, timeout=timedelta(seconds=60))
     out: dict[str, Any] = {}
@@ -89,8 +86,9 @@ def _body(proc: int, nprocs: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_survivors_and_a_new_worker_resync_in_process() -> None:
-    results = run_on_ranks(_body, 4, init_group=False, allow_exit=True, timeout=100)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_survivors_and_a_new_worker_resync_in_process(transport: str) -> None:
+    results = run_on_ranks(_body, 4, args=(transport,), init_group=False, allow_exit=True, timeout=100)
     survivor0, survivor1, dead, fresh = results
     assert dead is None  # process 2 died
     assert survivor0["error"] is not None and survivor1["error"] is not None

@@ -371,7 +371,7 @@ def single_group() -> Any:
     store = dist.HashStore()
     group = _run._new_group(store, FakeMembership(size=1, members=("a",)), "gloo", timedelta(seconds=10))
     yield group
-    _run._destroy_group()
+    _run._end_group(abort=False)
 
 
 def test_a_failed_init_leaves_the_group_counter_and_excepthook_as_they_were() -> None:
@@ -401,7 +401,7 @@ def test_a_failed_init_leaves_the_group_counter_and_excepthook_as_they_were() ->
         assert dist.group.WORLD.group_name == "0"
         assert sys.excepthook is hook
     finally:
-        _run._destroy_group()
+        _run._end_group(abort=False)
         sys.excepthook = hook
 
 
@@ -658,6 +658,8 @@ def test_bad_arguments() -> None:
         elastic.run(lambda s, w: None, object(), rdzv="127.0.0.1:1")
     with pytest.raises(ValueError, match="restart"):
         elastic.spawn(lambda: None, 2, restart="machine")
+    with pytest.raises(ValueError, match=r"backend='nccl', restart='worker'.*picks its backend itself"):
+        elastic.spawn(lambda: None, 2, backend="nccl", restart="worker")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import elastic
-from dist_harness import run_on_ranks
+from dist_harness import TRANSPORTS, run_on_ranks, use_transport
 
 
 @elastic.elastic_state(tenure="step")
@@ -58,12 +58,9 @@ def equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def _small_buckets() -> None:
-    import elastic.replication.transport.broadcast as transport
-    import elastic.replication.transport.default as transports
-
+def _small_buckets(transport: str) -> None:
     # a dozen buckets for this state, no direct broadcast
-    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=1024, direct_bytes=1 << 40))
+    use_transport(transport, bucket_bytes=1024, direct_bytes=1 << 40)
 
 
 def _outcome(fn: Any) -> tuple[str, str, str | None] | None:
@@ -78,8 +75,8 @@ def _outcome(fn: Any) -> tuple[str, str, str | None] | None:
 # A rank that dies: one spawn per phase (the group is broken afterwards).
 
 
-def _die(rank: int, world: int, phase: str, root: str) -> dict[str, Any]:
-    _small_buckets()
+def _die(rank: int, world: int, phase: str, root: str, transport: str) -> dict[str, Any]:
+    _small_buckets(transport)
     s = make(rank)
     out: dict[str, Any] = {}
     if phase in ("write", "rename"):
@@ -98,11 +95,14 @@ def _die(rank: int, world: int, phase: str, root: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_that_dies_in_any_phase(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_dies_in_any_phase(tmp_path: Path, transport: str) -> None:
     cases = {"elect": "elect", "objects": "objects", "bucket 2": "bucket", "write": "save", "rename": "save"}
+    if transport != TRANSPORTS[0]:  # a checkpoint's phases move no tensor between ranks: once is enough
+        cases = {k: v for k, v in cases.items() if v != "save"}
     for phase, named in cases.items():
         root = tmp_path / phase.replace(" ", "_")
-        results = run_on_ranks(_die, 2, args=(phase, str(root)), allow_exit=True, timeout=60)
+        results = run_on_ranks(_die, 2, args=(phase, str(root), transport), allow_exit=True, timeout=60)
         assert results[1] is None, f"{phase}: rank 1 was to die"
         survivor = results[0]
         assert survivor["error"] is not None, f"{phase}: the survivor must raise"
@@ -136,21 +136,24 @@ def test_a_rank_that_dies_in_any_phase(tmp_path: Path) -> None:
 
 
 def _raise(rank: int, world: int, root: str) -> dict[str, Any]:
-    _small_buckets()
     out: dict[str, Any] = {}
-    for spec in ("1:flatten", "1:bucket 2", "0:bucket 2", "0:apply"):
-        s = make(rank)
-        before = snapshot(s)
-        os.environ["ELASTIC_FAULT"] = spec
-        out[spec] = {"error": _outcome(lambda s=s: elastic.sync(s, timeout=20))}
-        del os.environ["ELASTIC_FAULT"]
-        out[spec]["tenure"] = elastic.tenure(s)
-        out[spec]["unchanged"] = equal(before, snapshot(s))
-        # the next sync heals every torn rank, the most tenured untorn rank wins
-        out[spec]["next"] = elastic.sync(s, timeout=20).src
+    for transport in TRANSPORTS:  # the group survives a raise: both transports in one spawn
+        _small_buckets(transport)
+        out[transport] = {}
+        for spec in SYNC_FAULTS:
+            s = make(rank)
+            before = snapshot(s)
+            os.environ["ELASTIC_FAULT"] = spec
+            got: dict[str, Any] = {"error": _outcome(lambda s=s: elastic.sync(s, timeout=20))}
+            del os.environ["ELASTIC_FAULT"]
+            got["tenure"] = elastic.tenure(s)
+            got["unchanged"] = equal(before, snapshot(s))
+            # the next sync heals every torn rank, the most tenured untorn rank wins
+            got["next"] = elastic.sync(s, timeout=20).src
+            out[transport][spec] = got
     s = make(rank)
     first = elastic.save(s, root, timeout=20)
-    for spec in ("1:write", "1:manifest", "1:rename"):
+    for spec in SAVE_FAULTS:
         s.step += 1
         os.environ["ELASTIC_FAULT"] = spec
         out[spec] = {"error": _outcome(lambda s=s: elastic.save(s, root, timeout=20))}
@@ -160,24 +163,32 @@ def _raise(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+SYNC_FAULTS = ("1:flatten", "1:bucket 2", "0:bucket 2", "0:apply")
+SAVE_FAULTS = ("1:write", "1:manifest", "1:rename")
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_that_raises_in_any_phase(tmp_path: Path) -> None:
     results = run_on_ranks(_raise, 2, args=(str(tmp_path),), timeout=90)
-    for spec in ("1:flatten", "1:bucket 2", "0:bucket 2", "0:apply"):
-        r0, r1 = results[0][spec], results[1][spec]
-        assert r0["error"] == r1["error"], f"{spec}: every rank raises the same error"
-        kind, msg, _ = r0["error"]
-        assert kind == "SyncError"
-        failing = spec.split(":")[0]
-        assert f"rank {failing}" in msg and "fault injected" in msg
-        assert r1["tenure"] == 3 and r1["unchanged"], f"{spec}: the source is never modified"
-        if spec == "1:flatten":
-            assert r0["tenure"] == 0 and r0["unchanged"], "nothing moved: the receiver is intact"
-        else:
-            assert r0["tenure"] is None, f"{spec}: the receiver is torn"
-        assert r0["next"] == r1["next"] == 1, "a torn receiver never wins the next election"
+    for transport in TRANSPORTS:
+        for spec in SYNC_FAULTS:
+            r0, r1 = results[0][transport][spec], results[1][transport][spec]
+            where = f"{transport}, {spec}"
+            assert r0["error"] == r1["error"], f"{where}: every rank raises the same error"
+            kind, msg, _ = r0["error"]
+            assert kind == "SyncError", where
+            failing = spec.split(":")[0]
+            assert f"rank {failing}" in msg and "fault injected" in msg, where
+            assert r1["tenure"] == 3 and r1["unchanged"], f"{where}: the source is never modified"
+            if spec == "1:flatten":
+                assert r0["tenure"] == 0 and r0["unchanged"], (
+                    f"{where}: nothing moved, the receiver is intact"
+                )
+            else:
+                assert r0["tenure"] is None, f"{where}: the receiver is torn"
+            assert r0["next"] == r1["next"] == 1, f"{where}: a torn receiver never wins the next election"
     first = results[0]["first"]
-    for spec in ("1:write", "1:manifest", "1:rename"):
+    for spec in SAVE_FAULTS:
         r0, r1 = results[0][spec], results[1][spec]
         assert r0["error"] == r1["error"]
         kind, msg, _ = r0["error"]

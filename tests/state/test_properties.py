@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import elastic
-from dist_harness import run_on_ranks
+from dist_harness import TRANSPORTS, run_on_ranks, use_transport
 from tree_values import same, values
 
 SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
@@ -29,12 +29,13 @@ class Box:
     value: Any = None
 
 
-def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> list[Any]:
-    import elastic.replication.transport.broadcast as transport
-    import elastic.replication.transport.default as transports
+def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> dict[str, list[Any]]:
+    return {transport: _sync_on(rank, batches, transport) for transport in TRANSPORTS}
 
-    # tensors spanning buckets, many buckets, and some direct broadcasts
-    transports.set_default_transport(transport.BroadcastTransport(bucket_bytes=256, direct_bytes=64))
+
+def _sync_on(rank: int, batches: list[tuple[Any, Any]], transport: str) -> list[Any]:
+    # tensors spanning buckets, many buckets, and (broadcasts) some direct broadcasts
+    use_transport(transport, bucket_bytes=256, direct_bytes=64)
     from elastic.state.tree import kind_of
 
     out = []
@@ -54,9 +55,11 @@ def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> list[Any
 @given(batches=st.lists(st.tuples(values, values), min_size=15, max_size=15))
 def test_random_states_survive_a_two_rank_sync(batches: list[tuple[Any, Any]]) -> None:
     results = run_on_ranks(_sync_all, 2, args=(batches,))
-    for (src_value, _), got0, got1 in zip(batches, results[0], results[1]):
-        assert same(src_value, got1), "the source is unchanged"
-        assert same(src_value, got0), "the receiver holds exactly the source's value"
+    for transport in TRANSPORTS:  # both transports, in one spawn
+        assert len(results[0][transport]) == len(batches)
+        for (src_value, _), got0, got1 in zip(batches, results[0][transport], results[1][transport]):
+            assert same(src_value, got1), f"{transport}: the source is unchanged"
+            assert same(src_value, got0), f"{transport}: the receiver holds exactly the source's value"
 
 
 def test_strategy_covers_the_hard_cases() -> None:

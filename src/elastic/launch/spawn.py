@@ -475,6 +475,13 @@ def spawn(
         msg = f"elastic.spawn(restart=...) must be 'group' or 'worker', got {restart!r}"
         raise ValueError(msg)
     args, kwargs = _check_args(fn, nprocs, args, kwargs, backend, max_restarts)
+    if restart == "worker" and backend != "gloo":
+        msg = (
+            f"elastic.spawn(backend={backend!r}, restart='worker'): with restart='worker' no process group "
+            f"is started for the workers: elastic.run makes one per generation and picks its backend itself "
+            f"(NCCL when the state holds CUDA tensors, else gloo); drop backend= or use restart='group'"
+        )
+        raise ValueError(msg)
     td = as_timedelta(timeout, "elastic.spawn")
     seconds = None if td is None else td.total_seconds()
     with _worker_threads(nprocs):

@@ -316,11 +316,6 @@ def _abort_group() -> None:
     _end_group(abort=True)
 
 
-def _destroy_group() -> None:
-    """The generation ended by agreement or fn returned: every rank is done with the group."""
-    _end_group(abort=False)
-
-
 def _end_group(*, abort: bool) -> None:
     if not dist.is_initialized():
         return
@@ -834,6 +829,41 @@ def run(
         rendezvous.close()
 
 
+class _Live:
+    """A formed generation's world, its process group and (NCCL) its watch; owns their teardown.
+
+    `release` stops the watch and drops the world's reference to the group (before a failure is judged,
+    so that nothing but torch holds the group); `end` destroys the group, aborting it first when asked,
+    once. Leaving the ``with`` block ends a generation nobody ended (aborting it): no path leaks a group.
+    """
+
+    def __init__(self, world: World, watch: _NcclWatch | None) -> None:
+        self.world = world
+        self._watch = watch
+        self._ended = False
+
+    def __enter__(self) -> _Live:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end(abort=True)
+
+    def start(self) -> None:
+        if self._watch is not None:
+            self._watch.start()
+
+    def release(self) -> None:
+        _NcclWatch.stop(self._watch)
+        self._watch = None
+        self.world.group = None
+
+    def end(self, *, abort: bool) -> None:
+        self.release()
+        if not self._ended:
+            self._ended = True
+            _end_group(abort=abort)
+
+
 @attrs.define
 class _Loop:
     """The generations of one `run` call: each forms, starts, runs ``fn`` and ends in one of four ways."""
@@ -895,10 +925,14 @@ class _Loop:
         )
         watch = _NcclWatch(self.rendezvous, gen, group) if self.backend == "nccl" else None
         del group
+        with _Live(world, watch) as live:
+            return self.train(live, gen, membership)
+
+    def train(self, live: _Live, gen: _Generation, membership: Any) -> Any:
+        """Start the generation (load or sync), run ``fn`` and end the generation `live` holds."""
         started_at: Any = None
         try:
-            if watch is not None:
-                watch.start()
+            live.start()
             self.rendezvous.progress()
             src, started_at = _start(self.state, self.ckpt, self.timeout)
             clear_grads(self.state)
@@ -912,15 +946,14 @@ class _Loop:
                 started_at,
                 time.monotonic() - self.ended_at,
             )
-            result = self.fn(self.state, world)
+            result = self.fn(self.state, live.world)
         except _EndGeneration as end:
             self.ended_at = time.monotonic()
-            _NcclWatch.stop(watch)
+            live.release()
             if not end.leaving:
                 _announce(self.rendezvous)
             _strip(end)
-            world.group = None
-            _destroy_group()
+            live.end(abort=False)
             self.stalls.succeeded()
             if end.leaving:
                 log.info("generation %d: left as asked (SIGTERM)", membership.generation)
@@ -929,26 +962,26 @@ class _Loop:
             return _AGAIN
         except BaseException as exc:
             self.ended_at = time.monotonic()
-            _NcclWatch.stop(watch)
+            live.release()
             _strip(exc)
-            world.group = None
-            return self.failed(exc, gen, membership, started_at)
-        _NcclWatch.stop(watch)
+            return self.failed(exc, live, gen, membership, started_at)
+        live.release()
         self.rendezvous.finish()
-        world.group = None
-        _destroy_group()
+        live.end(abort=False)
         return result
 
-    def failed(self, exc: BaseException, gen: _Generation, membership: Any, started_at: Any) -> Any:
+    def failed(
+        self, exc: BaseException, live: _Live, gen: _Generation, membership: Any, started_at: Any
+    ) -> Any:
         """The generation failed on this rank with `exc`: regroup (`_AGAIN`), return None, or raise."""
         if not (isinstance(exc, Exception) and _communication_kind(exc)):
             gen.announce(f"raised {type(exc).__name__}")
-            _abort_group()
+            live.end(abort=True)
             raise exc
         # Record where this rank was and abort at once: every peer blocked on this rank fails now and
         # records where it was, so that `_judge` sees every member within milliseconds.
         gen.record(where_of(exc))
-        _abort_group()
+        live.end(abort=True)
         verdict = _judge(exc, self.rendezvous, gen, self.probe, self.timeout)
         if verdict.startswith(MISMATCH):
             gen.announce("raised ElasticError")
