@@ -124,3 +124,20 @@ def test_readme_is_short_and_its_links_exist() -> None:
     assert links, "the README links to the documentation"
     assert [link for link in links if not (ROOT / link).exists()] == []
     assert 'pip install -e ".[docs]" && mkdocs serve' in text
+
+
+def test_mkdocstrings_sees_every_public_name_as_python_does() -> None:
+    """`::: elastic.<name>` renders what griffe finds statically. A submodule or subpackage named like a
+    public name (a package `elastic/sync/` next to the function `elastic.sync`) takes precedence there
+    (griffe's documented limitation), so the page would silently show the package's docstring."""
+    griffe = pytest.importorskip("griffe", reason="the docs extra is not installed")
+    package = griffe.load("elastic", search_paths=[str(ROOT / "src")])
+    for name in PUBLIC:
+        obj = getattr(elastic, name)
+        member = package.members.get(name)
+        assert member is not None, f"griffe does not see elastic.{name}"
+        expected = "class" if inspect.isclass(obj) else "function"
+        assert member.kind.value == expected, (
+            f"griffe sees elastic.{name} as a {member.kind.value}, Python as a {expected}: a submodule of "
+            "that name shadows it in the API reference; rename the submodule"
+        )
