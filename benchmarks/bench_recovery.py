@@ -23,7 +23,7 @@ and rejoins. Measured per failure, from the worker's own timestamps:
     python benchmarks/bench_recovery.py [--kills 10] [--seed 0] [--loader-workers 2] [--skip-torchft]
         [--skip-torchrun]
 
-Not a timed test: it prints a table (the README's "Recovery" section).
+Not a timed test: it prints a table (docs/performance.md, "Recovery").
 """
 
 from __future__ import annotations

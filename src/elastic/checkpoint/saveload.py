@@ -73,11 +73,16 @@ Scope = Literal["global", "node", "rank"]
 
 @attrs.frozen
 class LoadReport:
-    """What one `load` did.
+    """What one `elastic.load` did, the same on every rank. A frozen attrs class.
 
-    `source` is ``"checkpoint"`` when a checkpoint was read (by rank `src`, from `path`, written by a
-    group of `saved_world_size` ranks) or ``"memory"`` when the most tenured in-memory state (rank `src`)
-    won and was synced. `tenure` is the tenure every rank now holds; `world_size` is this group's size.
+    Attributes:
+        source: ``"checkpoint"`` when a checkpoint was read, ``"memory"`` when the most tenured
+            in-memory state won and was synced.
+        src: the group rank that read the checkpoint, or whose in-memory state won.
+        tenure: the tenure every rank now holds.
+        path: the checkpoint read (a ``Path``; a URL string for fsspec URLs), or None when memory won.
+        world_size: the size of this group.
+        saved_world_size: the size of the group that wrote the checkpoint, or None when memory won.
     """
 
     source: Literal["checkpoint", "memory"]
@@ -148,11 +153,11 @@ def _conclude(
 
 
 class SaveHandle:
-    """What `save(..., blocking=False)` returns: the checkpoint is being written in a background thread.
+    """What ``save(..., blocking=False)`` returns: the checkpoint is being written in a background thread.
 
-    `wait()` is collective (every rank calls it): it returns the checkpoint's path on every rank once it
-    is durable, or raises the writer's error as `CheckpointError` on every rank. `done()` says, locally,
-    whether this rank's part is finished. The next `save` waits for this one first.
+    Not built by users. The tensors were copied into a CPU staging area before `elastic.save` returned,
+    so training may go on and change them. The next `elastic.save` waits for this one first (and raises
+    its error if nobody called `wait`).
     """
 
     def __init__(
@@ -180,11 +185,23 @@ class SaveHandle:
             log.error("save: background write failed: %s", self._outcome.error)
 
     def done(self) -> bool:
-        """Whether this rank's part of the save has finished (local; does not raise)."""
+        """Whether this rank's part of the save has finished (local; does not raise).
+
+        Returns:
+            True once this rank's background write (if any) has ended, successfully or not.
+        """
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Path | str:
-        """The path once the checkpoint is durable, or the writer's error, on every rank (collective)."""
+        """Wait until the checkpoint is durable (collective: every rank calls it).
+
+        Returns:
+            The checkpoint's path on every rank (a ``Path``; a URL string for fsspec URLs; with
+            ``scope="node"``, the one this rank's node wrote). Calling it again returns the same.
+
+        Raises:
+            CheckpointError: the writer's error, on every rank.
+        """
         global _inflight
         with self._lock:
             if self._result is None:
@@ -279,22 +296,46 @@ def save(
 ) -> Path | str | SaveHandle:
     """Write a checkpoint of the most tenured state under the root `path` (collective).
 
-    The most tenured rank (lowest in ties) writes; with ``scope="rank"`` every rank writes its own copy to
-    its own `path` (one disk per worker); with ``scope="node"`` the most tenured rank of every
-    node writes to its own `path` (node-local disks; a node is torchrun's ``GROUP_RANK``, else the host),
-    after a sync if some node lags behind. The checkpoint is written into a temporary directory inside
-    `path`, fsynced and renamed into place, so no reader ever sees it half-written; then only the `keep`
-    most tenured checkpoints are kept (``keep=None`` keeps all; the new one is never deleted).
-
-    Returns the checkpoint's directory on every rank once it is durable (with ``scope="node"``, the one
-    this rank's node wrote). With ``blocking=False`` it returns a `SaveHandle` right after copying the
-    tensors to CPU; ``handle.wait()`` (collective) returns the path or raises the writer's error.
-    `timeout` (seconds or `timedelta`) bounds every collective, including the wait for the writer.
-    A writer's failure raises `CheckpointError` on every rank. Fields with ``save=False`` are not written.
+    The most tenured rank (lowest in ties) writes; the others wait in one small all-gather that brings
+    them the path or the writer's error. On a local disk the checkpoint is written into a hidden
+    temporary directory inside `path`, every file fsynced, then renamed into place, so no reader ever
+    sees it half-written; then only the `keep` most tenured checkpoints are kept (the new one is never
+    deleted). Tensors and plain data are stored so that they load without unpickling
+    (``torch.load(weights_only=True)``); only other values go to a cloudpickle file. Fields with
+    ``save=False`` are not written.
 
     `path` may be an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``; needs the
-    ``elastic-state[remote]`` extra), with `storage_options` passed to fsspec: the data objects are uploaded
-    first and the manifest last, and the checkpoint's URL is returned as a string.
+    ``elastic-state[remote]`` extra): the data objects are uploaded first and the manifest last.
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        path: the checkpoint root (a directory, or an fsspec URL); one sub-directory per checkpoint.
+        group: the process group (None: the default group).
+        keep: how many of the most tenured complete checkpoints to keep (None: all).
+        blocking: False returns a `SaveHandle` right after copying the tensors to CPU (pinned memory for
+            CUDA tensors) and writes in a background thread.
+        scope: ``"global"``: one writer (a shared filesystem or bucket); ``"node"``: the most tenured
+            rank of every node writes to its own `path` (node-local disks; a node is torchrun's
+            ``GROUP_RANK``, else the host); ``"rank"``: every rank writes to its own `path`. A node or rank
+            that lags behind is synced first.
+        timeout: bound of every collective, including the wait for the writer (seconds or
+            ``timedelta``).
+        storage_options: passed to fsspec for URLs (credentials, endpoint, retries).
+
+    Returns:
+        On every rank once the checkpoint is durable: its path (a ``Path``; a URL string for fsspec
+        URLs; with ``scope="node"``, the one this rank's node wrote). With ``blocking=False``, a
+        `SaveHandle` whose collective ``wait()`` returns that path.
+
+    Raises:
+        CheckpointError: on every rank when the writer failed (a full disk, permissions, a path that is
+            a file, a missing bucket, credentials, an unreachable endpoint), naming the writer and the
+            fix; older checkpoints stay valid.
+        TypeError: the tenure cannot be saved (it must be a number, string, None or a nested tuple of
+            those), or `state` is not an ``@elastic_state`` instance.
+        ValueError: a bad `keep` or `scope`.
+        SyncError: a rank died, timed out or never called.
+        ImportError: a URL without the ``remote`` extra installed.
     """
     config = config_of(state, "elastic.save()")
     storage, root = locate(path, storage_options, "save")
@@ -544,22 +585,44 @@ def load(
 ) -> LoadReport:
     """Restore the most tenured state in the group, from memory or from a checkpoint in `path` (collective).
 
-    Every rank reports its in-memory tenure and the checkpoints it sees under `path` (a root of
-    checkpoints, or one checkpoint directory). If a checkpoint is strictly more tenured than every
-    in-memory state, one rank that holds it (lowest in ties) reads it, verifies every checksum, applies it
-    to its own state (tensors in place) and broadcasts it to the others; otherwise the most tenured
-    in-memory state is synced. A missing or empty `path` is no error. A corrupt or incomplete checkpoint
-    is skipped with a warning and the next best is used; `CheckpointCorruptError` is raised only when
-    `path` names that one checkpoint and nothing else can replace it.
+    Every rank reports its in-memory tenure and the checkpoints it sees under `path` (manifests only,
+    cheap). If a checkpoint is strictly more tenured than every in-memory state, one rank that holds it
+    (lowest in ties) reads it, verifies every checksum, applies it to its own state (tensors in place)
+    and broadcasts it to the others with `elastic.sync`; otherwise the most tenured in-memory state is
+    synced. A missing or empty `path` is no error: memory wins. A corrupt or incomplete checkpoint is
+    skipped with a ``RuntimeWarning`` naming the file and the group elects again among the rest.
+    ``local()`` fields are never touched; a ``sync=False`` field is restored on the reading rank only.
+    ``on_sync`` runs afterwards on every rank. A checkpoint written by another world size loads too.
 
-    Pickled objects (values that are not tensors or plain data) load only with ``trusted=True``
-    (`UntrustedCheckpointError` otherwise). ``strict=False`` keeps current values for fields the
-    checkpoint lacks and ignores (with a warning) fields the class no longer has. `local()` fields are
-    never touched; a ``sync=False`` field is restored on the reading rank only. `on_sync` runs afterwards
-    on every rank.
+    For an fsspec URL only prefixes with a complete, checksum-verified manifest count.
 
-    `path` may be an fsspec URL (see `elastic.save`; `storage_options` go to fsspec): only prefixes with a
-    complete, checksum-verified manifest count, and `LoadReport.path` is the checkpoint's URL.
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        path: a checkpoint root, or one checkpoint directory (a path, or an fsspec URL).
+        group: the process group (None: the default group).
+        trusted: allow unpickling values that are not tensors or plain data (only for checkpoints you
+            trust: unpickling can run code).
+        strict: False keeps current values for fields the checkpoint lacks and ignores (with a
+            warning) fields the class no longer has.
+        timeout: bound of every collective (seconds or ``timedelta``).
+        storage_options: passed to fsspec for URLs.
+
+    Returns:
+        What was restored, from where, the same on every rank.
+
+    Raises:
+        UntrustedCheckpointError: the checkpoint holds pickled values and `trusted` is False; names the
+            fields.
+        CheckpointMismatchError: the checkpoint's fields (with `strict`) or module shapes differ from the
+            state's; nothing was changed.
+        CheckpointCorruptError: `path` names one checkpoint and it is damaged.
+        CheckpointError: a checkpoint could not be read (a missing bucket, credentials, ...).
+        StateMismatchError: the ranks' in-memory states have different schemas.
+        TenureError: tenures cannot be compared.
+        SyncError: a rank died, timed out or never called.
+
+    Warns:
+        RuntimeWarning: a skipped damaged or incomplete checkpoint, naming the file.
     """
     config = config_of(state, "elastic.load()")
     storage, root = locate(path, storage_options, "load")

@@ -52,15 +52,17 @@ class ElasticSampler(Sampler[int]):
 
     Put it in the elastic state (it is a stateful field: its `state_dict()` is plain data, synced and saved
     like any other, and loading it needs no ``trusted=True``) and give it to a `DataLoader` built with the
-    same ``batch_size``::
+    same ``batch_size``:
 
-        state.sampler = elastic.ElasticSampler(dataset, batch_size=32)
-        loader = DataLoader(dataset, batch_size=32, sampler=state.sampler, num_workers=4)
-        while state.sampler.epoch < epochs:
-            for batch in loader:
-                ...  # forward, backward, optimizer step
-                state.sampler.advance()
-            state.sampler.set_epoch(state.sampler.epoch + 1)
+    ```python
+    state.sampler = elastic.ElasticSampler(dataset, batch_size=32)
+    loader = DataLoader(dataset, batch_size=32, sampler=state.sampler, num_workers=4)
+    while state.sampler.epoch < epochs:
+        for batch in loader:
+            ...  # forward, backward, optimizer step
+            state.sampler.advance()
+        state.sampler.set_epoch(state.sampler.epoch + 1)
+    ```
 
     - The order of an epoch depends only on ``seed`` and the epoch (``shuffle=False``: the dataset's
       order). Loading or syncing a state takes the saved seed, so that ``consumed`` always counts
@@ -79,6 +81,18 @@ class ElasticSampler(Sampler[int]):
     - Progress advances only through `advance`, called by every rank once after each optimizer step;
       iterating never counts (prefetching loaders pull batches early). After a failure the samples of
       the step in flight, not yet advanced, are used again; nothing else is.
+
+    Args:
+        dataset: a map-style dataset (one with ``__len__``).
+        batch_size: samples per rank per step, the `DataLoader`'s ``batch_size``.
+        shuffle: False keeps the dataset's order.
+        seed: the seed of the order; a saved or synced progress brings its own.
+        drop_last: True drops the epoch's last, incomplete step instead of splitting it.
+
+    Raises:
+        TypeError: `dataset` has no length (an ``IterableDataset`` must shard itself), or `seed` is not an
+            int.
+        ValueError: `batch_size` is not an int >= 1.
     """
 
     def __init__(
@@ -137,6 +151,12 @@ class ElasticSampler(Sampler[int]):
         Setting the epoch the sampler is already in keeps its progress, so the `DistributedSampler` idiom
         ``for e in range(state.sampler.epoch, epochs): state.sampler.set_epoch(e)`` resumes a restored
         epoch where it stopped instead of using its first samples twice.
+
+        Args:
+            epoch: the epoch to start (0 first).
+
+        Raises:
+            ValueError: `epoch` is not an int >= 0.
         """
         if not _is_int(epoch) or epoch < 0:
             msg = f"ElasticSampler.set_epoch(epoch) needs an int >= 0, got {epoch!r}"
@@ -150,7 +170,10 @@ class ElasticSampler(Sampler[int]):
 
         Every rank calls it once after each optimizer step: it adds ``world_size * batch_size`` samples
         (the samples left, at the epoch's shorter last step) to `consumed`, for the world of the default
-        process group at this call. `RuntimeError` when the epoch has no step left for this world.
+        process group at this call.
+
+        Raises:
+            RuntimeError: the epoch has no step left for this world (start the next with `set_epoch`).
         """
         self._advance(_default_world()[1])
 
@@ -228,6 +251,9 @@ class ElasticSampler(Sampler[int]):
 
         The plan is computed here, at once, so that advancing while a loader prefetches changes nothing
         in an iteration already started.
+
+        Returns:
+            An iterator over dataset indices; every rank of the world gets the same number.
         """
         rank, world = _default_world()
         plan = self._plan(rank, world)
@@ -243,18 +269,34 @@ class ElasticSampler(Sampler[int]):
         return iter(plan)
 
     def __len__(self) -> int:
-        """This rank's indices left in the epoch, for the world of the default group now."""
+        """This rank's indices left in the epoch, for the world of the default group now.
+
+        Returns:
+            How many indices iterating now would yield on this rank.
+        """
         rank, world = _default_world()
         return self._left(rank, world)
 
     # --- Stateful -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
-        """The progress as plain data: ``{"seed", "epoch", "consumed"}``."""
+        """The progress as plain data.
+
+        Returns:
+            ``{"seed": int, "epoch": int, "consumed": int}``.
+        """
         return {"seed": self._seed, "epoch": self._epoch, "consumed": self._consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take saved or synced progress, its seed included."""
+        """Take saved or synced progress, its seed included.
+
+        Args:
+            state_dict: what `state_dict` returned, here or on another rank.
+
+        Raises:
+            ValueError: other keys, or values that are no progress of this dataset (ints, epoch >= 0,
+                0 <= consumed <= its length).
+        """
         if not isinstance(state_dict, dict) or set(state_dict) != set(_KEYS):
             found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__qualname__
             msg = f"ElasticSampler.load_state_dict needs the keys {list(_KEYS)}, got {found}"

@@ -102,11 +102,25 @@ def agent_store(timeout: timedelta) -> dist.Store:
 def init_process_group(backend: str | None = None, *, timeout: timedelta | float | None = None) -> None:
     """Start the default process group of this worker from torchrun's (or env://) variables.
 
-    `backend` None picks "nccl" when CUDA is available, else "gloo"; with nccl the current CUDA device
-    becomes ``LOCAL_RANK``. `timeout` (seconds or timedelta) bounds the process group's collectives and
-    its store; None keeps torch's default. Under torchrun with its shared rendezvous store (the default),
-    the keys of each restart live under their own prefix (see `store_prefix`), so restarted workers never
-    read their predecessors' addresses.
+    Call it instead of ``torch.distributed.init_process_group()``. Under torchrun with its shared
+    rendezvous store (the default), it connects to that store and keeps the keys of each restart under a
+    prefix of their own (``elastic/restart<TORCHELASTIC_RESTART_COUNT>``), so restarted workers never
+    read their predecessors' addresses (pytorch/pytorch#135712). Outside torchrun it is torch's env://
+    initialisation (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+    Args:
+        backend: the backend name; None picks ``"nccl"`` when CUDA is available, else ``"gloo"``. With
+            nccl the current CUDA device becomes ``LOCAL_RANK``.
+        timeout: bound of the process group's collectives and of its store (seconds or ``timedelta``);
+            None keeps torch's default.
+
+    Raises:
+        RuntimeError: the default process group is already initialised.
+        TypeError: `backend` is not a backend name.
+
+    Warns:
+        RuntimeWarning: once, with several torchrun agents (``GROUP_WORLD_SIZE`` > 1) and torchrun's
+            shared store: launch the job with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
     """
     td = as_timedelta(timeout, "elastic.init_process_group")
     if backend is None:

@@ -458,18 +458,40 @@ def spawn(
     Every line the workers print appears in this process's ``sys.stdout``/``sys.stderr``, prefixed
     ``[rank N] ``.
 
-    A worker that raises makes `spawn` raise `WorkerError` (rank, exception type and message, remote
-    traceback) after stopping the others; with ``max_restarts=k`` the whole group is first restarted up
-    to k times, as torchrun does. `timeout` (seconds or timedelta) bounds the whole run. No worker
-    process outlives the call, also on ``KeyboardInterrupt``.
+    A worker that raises stops the others. No worker process outlives the call, also on
+    ``KeyboardInterrupt``. Each call picks a free port, so calls can repeat in one kernel. When several
+    workers share the host and ``OMP_NUM_THREADS`` is not set, it is set to 1 for them (as torchrun
+    does), with a note once.
 
-    ``restart="worker"``: for `fn` that calls `elastic.run`. This process serves the rendezvous store
-    (``ELASTIC_RDZV`` is set for the workers; no process group is started for them) and restarts only a
-    worker that dies or raises, in its slot, while the others go on, up to `max_restarts` times per slot.
-    A worker learns its slot from ``ELASTIC_SLOT`` and its life in it (0 first) from
-    ``ELASTIC_SLOT_RESTARTS``; its output is prefixed ``[rank <slot>] ``. Returns each slot's final
-    result in slot order; `WorkerError` (after the other workers finished) when a slot failed with no
-    restart left.
+    ``restart="worker"`` is for an `fn` that calls `elastic.run`: this process serves the rendezvous
+    store (``ELASTIC_RDZV`` is set for the workers; no process group is started for them) and restarts
+    only a worker that dies or raises, in its slot, while the others go on. A worker learns its slot
+    from ``ELASTIC_SLOT`` and its life in it (0 first) from ``ELASTIC_SLOT_RESTARTS``; its output is
+    prefixed ``[rank <slot>] ``.
+
+    Args:
+        fn: the function every worker runs; may be a lambda, a closure or defined in ``__main__``.
+        nprocs: the number of workers.
+        args: positional arguments of `fn`.
+        kwargs: keyword arguments of `fn`.
+        backend: the process group's backend (``"nccl"`` gives each worker the CUDA device of its
+            ``LOCAL_RANK``); unused with ``restart="worker"``.
+        max_restarts: with ``restart="group"``, how many times the whole group is restarted on a
+            failure, as torchrun does (workers see ``TORCHELASTIC_RESTART_COUNT``); with
+            ``restart="worker"``, how many times each slot is restarted.
+        timeout: bound of the whole run (seconds or ``timedelta``; None: no bound).
+        restart: ``"group"`` (restart every worker) or ``"worker"`` (restart only the one that failed).
+
+    Returns:
+        The workers' results in rank order; with ``restart="worker"``, each slot's final result in slot
+        order (None for a worker that left).
+
+    Raises:
+        WorkerError: a worker raised or died with no restart left (with the rank, the exception's type
+            and message and the remote traceback; with ``restart="worker"``, after the other workers
+            finished), or the run exceeded `timeout`.
+        TypeError: `fn` is not callable, or `args`, `kwargs` or `backend` have the wrong type.
+        ValueError: `nprocs`, `max_restarts` or `restart` out of range.
     """
     if restart not in ("group", "worker"):
         msg = f"elastic.spawn(restart=...) must be 'group' or 'worker', got {restart!r}"

@@ -99,7 +99,7 @@ class _EndGeneration(BaseException):
 class World:
     """This rank's place in the current generation of `elastic.run`, and `check()`, the per-step collective.
 
-    `run` builds one for every generation and passes it to ``fn(state, world)``.
+    `run` builds one for every generation and passes it to ``fn(state, world)``; users do not build it.
 
     Attributes:
         rank: this worker's rank in the generation (0 .. size-1). Ranks follow the workers' stable order
@@ -141,7 +141,11 @@ class World:
         return f"World(rank={self.rank}, size={self.size}, generation={self.generation})"
 
     def progress(self) -> None:
-        """Record progress now: this worker counts as alive for another `timeout` (local, no store)."""
+        """Record progress now: this worker counts as alive for another `timeout` (local, no store).
+
+        `check` and elastic's own collectives call it; call it in a long stretch of local work between
+        two checks, or use `busy`.
+        """
         self._rdzv.progress()
 
     @contextlib.contextmanager
@@ -789,7 +793,8 @@ def run(
         ElasticError: no generation formed within `join_timeout`; the store was unreachable for
             `timeout`; the ranks were in different operations (the script's bug); too many generations
             failed in a row before a step completed.
-        TypeError, ValueError: bad arguments.
+        TypeError: `fn` is not callable, or `state` is not an ``@elastic_state`` instance.
+        ValueError: a worker count or `check_every` out of range, or an empty `run_id`.
     """
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
     release_connections_in_forked_children()

@@ -57,7 +57,18 @@ log = logging.getLogger("elastic")
 
 @attrs.frozen
 class SyncReport:
-    """What one `sync` did: who sent, at which tenure, to how many ranks, how many bytes, how long."""
+    """What one `elastic.sync` did: who sent, at which tenure, to how many ranks, how many bytes, how long.
+
+    The same on every rank except `seconds`. A frozen attrs class.
+
+    Attributes:
+        src: the group rank whose state every rank now holds (the elected or given source).
+        tenure: the tenure every rank now holds.
+        world_size: the number of ranks in the group.
+        tensor_bytes: tensor bytes the source sent (0 on the fast path: nothing had to move).
+        object_bytes: bytes of the one cloudpickle payload of non-tensor values (0 on the fast path).
+        seconds: this rank's wall time in the call.
+    """
 
     src: int
     tenure: Any
@@ -68,7 +79,18 @@ class SyncReport:
 
 
 def tenure(state: Any) -> Any:
-    """The tenure of `state` on this rank (local): `None` for a torn state."""
+    """The tenure of `state` on this rank, as the elections see it (local, no communication).
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+
+    Returns:
+        The value of the class's tenure function, or None for a *torn* state (a receiver left
+        half-written by a failed transfer, until its next successful `sync` or `load`).
+
+    Raises:
+        TypeError: `state` is not an instance of an ``@elastic_state`` class.
+    """
     config = config_of(state, "elastic.tenure()")
     return current(state, config, lineage(state))
 
@@ -714,12 +736,38 @@ def sync(
 ) -> SyncReport:
     """Give every rank the most tenured state (collective: every rank of `group` calls it).
 
-    Elects the rank with the greatest `tenure(state)` (ties to the lowest rank, `None` least) unless `src`
-    is given, then broadcasts its synced fields: tensors in place by `torch.distributed.broadcast`,
-    everything else in one cloudpickle payload. When every rank already holds the same lineage and tenure
-    nothing moves (`tensor_bytes == 0`); `force=True` broadcasts anyway. `timeout` (a `timedelta` or
-    seconds) bounds every collective. Raises `StateMismatchError`, `TenureError` or `SyncError` on every
-    rank. Without a process group, or with one rank, it is a local no-op.
+    One all-gather carries every rank's tenure, lineage token and schema digest; different schemas or
+    incomparable tenures raise the same error on every rank before anything moves. The rank with the
+    greatest tenure (ties to the lowest rank, None least) is elected unless `src` is given. When every
+    rank reports the same tenure and lineage token (the replicas are already identical) nothing else
+    moves (the fast path: ``tensor_bytes == 0``). Otherwise the source sends every non-tensor value in
+    one cloudpickle payload, then the tensors without pickling: through a shared-memory ring when every
+    receiver runs on the source's host (the default transport), else by gloo/NCCL broadcasts. A receiver
+    tensor of the same shape, dtype and device is written in place (the optimizer's references to
+    parameters stay valid); missing or differently shaped tensors are allocated from the source's
+    metadata. Modules, optimizers and other stateful objects go through their state dicts. ``on_sync``
+    runs on every rank afterwards.
+
+    Without a process group, or with a world of one, it is a local no-op.
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        group: the process group (None: the default group).
+        src: the group rank to send from, overriding the election.
+        force: send everything even when the replicas are already identical.
+        timeout: bound of every collective of the call (seconds or ``timedelta``; None: the group's).
+
+    Returns:
+        What the sync did, the same on every rank except ``seconds``.
+
+    Raises:
+        StateMismatchError: the ranks hold different schemas (class, fields, kinds, module shapes).
+        TenureError: a tenure raised, is NaN, or cannot be compared with the others.
+        SyncError: a rank died, raised, timed out or never called, or a value cannot be sent (named with
+            the field and the fix); receivers that may be half-written are marked torn, the source is
+            unchanged.
+        ElasticError: no process group, but ``WORLD_SIZE`` > 1 says this is one rank of several.
+        TypeError: `state` is not an instance of an ``@elastic_state`` class.
     """
     return run_sync(state, group=group, src=src, force=force, timeout=timeout)
 
@@ -740,12 +788,44 @@ def sync_method(
 def broadcast_state(
     state: Any, src: int, *, group: Any = None, timeout: timedelta | float | None = None
 ) -> SyncReport:
-    """Broadcast `state` from group rank `src` to every rank (collective), whatever the tenures."""
+    """Broadcast `state` from group rank `src` to every rank (collective), whatever the tenures.
+
+    The same as ``sync(state, src=src, force=True)``: no election, every byte moves.
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        src: the group rank to send from.
+        group: the process group (None: the default group).
+        timeout: bound of every collective (seconds or ``timedelta``).
+
+    Returns:
+        What the transfer did.
+
+    Raises:
+        StateMismatchError: the ranks hold different schemas.
+        SyncError: a rank died, raised, timed out or never called.
+        TypeError: `state` is not an instance of an ``@elastic_state`` class.
+    """
     return run_sync(state, group=group, src=src, force=True, timeout=timeout, op="broadcast_state")
 
 
 def most_tenured_rank(state: Any, *, group: Any = None, timeout: timedelta | float | None = None) -> int:
-    """The group rank holding the most tenured state (collective; lowest rank in ties). Moves no state."""
+    """The group rank holding the most tenured state (collective). Moves no state.
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        group: the process group (None: the default group).
+        timeout: bound of the one all-gather (seconds or ``timedelta``).
+
+    Returns:
+        The rank whose tenure is greatest (lowest rank in ties; torn states count as None); 0 without a
+        process group.
+
+    Raises:
+        TenureError: a tenure raised, is NaN, or cannot be compared.
+        SyncError: a rank died, timed out or never called.
+        TypeError: `state` is not an instance of an ``@elastic_state`` class.
+    """
     op = "most_tenured_rank"
     config = config_of(state, f"elastic.{op}()")
     collective = Collective.of(group, as_timedelta(timeout, op), op)

@@ -197,9 +197,21 @@ def _digest_failure(rank: int, error: str) -> SyncError:
 def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None = None) -> None:
     """Check that every rank holds the same synced content (collective).
 
-    Digests every tensor's bytes and every field's other values, gathers them in one all-gather and
-    raises `DivergenceError` on every rank, naming each field or tensor path that differs and which ranks
-    hold which version. Costs one pass over the state's bytes and one small collective.
+    Digests every synced tensor's bytes and every field's other values, gathers the digests in one
+    all-gather and compares them. Values are compared, not pickle bytes: identical generators, dicts
+    with the same items in another order, or sets never differ. Costs one pass over the state's bytes
+    and one small collective; without a process group it does nothing.
+
+    Args:
+        state: an instance of an ``@elastic_state`` class.
+        group: the process group (None: the default group).
+        timeout: bound of the all-gather (seconds or ``timedelta``).
+
+    Raises:
+        DivergenceError: on every rank, naming each field or tensor path that differs and which ranks hold
+            which version.
+        SyncError: a rank could not digest its state, died, timed out or never called.
+        TypeError: `state` is not an instance of an ``@elastic_state`` class.
     """
     config_of(state, "elastic.verify()")
     collective = Collective.of(group, as_timedelta(timeout, "verify"), "verify")

@@ -25,15 +25,43 @@ def elastic_state(
     tenure: Callable[[Any], Any] | str = _MISSING,
     on_sync: Callable[[Any, Any], Any] | None = None,
 ) -> Callable[[C], C]:
-    """Make an attrs class an elastic training state.
+    """Make an attrs class an elastic training state (a class decorator, always called with keywords).
 
-    `tenure` says how up to date a state is: a callable `tenure(state) -> orderable | None` or the name of
-    a field. The most tenured state wins every election; `None` means "I hold no state". `on_sync(state,
-    report)` runs on every rank after each successful `sync` or `load`.
+    Put it outermost, above ``@attrs.define`` / ``@attrs.frozen`` (frozen and slotted classes work); on a
+    plain annotated class it applies ``attrs.define`` itself. It adds the methods ``sync``, ``save``,
+    ``load`` (the functions `elastic.sync`, `elastic.save`, `elastic.load` without their ``state``
+    argument), and ``state_dict`` / ``load_state_dict``, so that an instance is a torch ``Stateful``
+    (usable with ``torch.distributed.checkpoint``), unless the class defines them itself.
 
-    Put it above `@attrs.define` / `@attrs.frozen`; on a plain annotated class it applies `attrs.define`
-    itself. It adds `sync`, `save`, `load`, `state_dict` and `load_state_dict` unless the class already has
-    them.
+    ```python
+    @elastic.elastic_state(tenure=lambda s: s.step)  # or tenure="step"
+    @attrs.define
+    class TrainState:
+        model: torch.nn.Module
+        optimizer: torch.optim.Optimizer
+        step: int = 0
+    ```
+
+    Args:
+        tenure: how up to date a state is: a callable ``tenure(state) -> orderable | None`` (an int, a
+            tuple such as ``(epoch, step)``, a string) or the name of a field. The most tenured state
+            wins every election; ties go to the lowest rank; None means "I hold no state" and is the
+            least tenured value.
+        on_sync: ``on_sync(state, report)`` runs on every rank after each successful ``sync`` or
+            ``load`` (rescale the learning rate for a new world size, re-shard the data, ...); `report`
+            is the `SyncReport` or `LoadReport`.
+
+    Returns:
+        The class decorator.
+
+    Raises:
+        TypeError: at decoration time: a positional argument, no ``tenure``, a ``tenure`` that is neither
+            callable nor a field name of the class, an ``on_sync`` that is not callable with two
+            arguments, or something other than a class decorated.
+
+    Warns:
+        UserWarning: once at decoration, when the tenure reads an ``elastic.local()`` field or the class
+            cannot use the fast path of `elastic.sync`.
     """
     if args:
         msg = (

@@ -24,10 +24,22 @@ _DEFAULT = FieldPolicy()
 
 
 def field(*, sync: bool = True, save: bool = True, **attrs_kwargs: Any) -> Any:
-    """An `attrs.field` that carries elastic's policy in its metadata.
+    """An ``attrs.field`` that carries elastic's policy in its metadata.
 
-    `sync=False` keeps the field out of `sync` (each rank keeps its own value); `save=False` keeps it out
-    of checkpoints. Every other keyword goes to `attrs.field` unchanged.
+    Plain attrs fields are synced and saved; this sets either off. A field with ``sync=False`` that is
+    saved is restored by `elastic.load` on the reading rank only (it is not broadcast).
+
+    Args:
+        sync: False keeps the field out of `elastic.sync` (each rank keeps its own value).
+        save: False keeps the field out of checkpoints.
+        **attrs_kwargs: passed to ``attrs.field`` unchanged (``default=``, ``factory=``, ``metadata=``
+            is merged, ...).
+
+    Returns:
+        The attrs field, to assign in the class body.
+
+    Raises:
+        TypeError: `sync` or `save` is not a bool.
     """
     for name, value in (("sync", sync), ("save", save)):
         if not isinstance(value, bool):
@@ -39,7 +51,16 @@ def field(*, sync: bool = True, save: bool = True, **attrs_kwargs: Any) -> Any:
 
 
 def local(**attrs_kwargs: Any) -> Any:
-    """A per-rank field: never synced, never saved (`field(sync=False, save=False)`)."""
+    """A per-rank field: never synced, never saved (``field(sync=False, save=False)``).
+
+    For values that belong to one rank (a rank-specific sampler, a scratch cache, a file handle).
+
+    Args:
+        **attrs_kwargs: passed to ``attrs.field`` unchanged.
+
+    Returns:
+        The attrs field, to assign in the class body.
+    """
     return field(sync=False, save=False, **attrs_kwargs)
 
 

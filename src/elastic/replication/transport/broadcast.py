@@ -17,8 +17,8 @@ sync. Which device the buckets and temporaries live on is the communicator's `Pl
 A run of whole tensors of one dtype in a bucket is packed (and unpacked) with two C++ calls: views of the
 bucket shaped like the tensors, then one copy per pair, which also handles non-contiguous tensors and
 lazy conjugates. Packing and unpacking run with torch's intra-op pool limited to one thread: on a small
-machine its OpenMP workers otherwise spin next to the backend's communication threads (measured on 2
-cores with gloo, 2,000 tensors: twice as slow; 17 to 40 times with one copy call per tensor).
+machine its OpenMP workers otherwise spin next to the backend's communication threads (docs/performance.md,
+"How the tensors move", has the measurements).
 
 The views and the grouped copy use two private torch functions, ``torch._C._nn.unflatten_dense_tensors``
 and ``torch._foreach_copy_``; where a torch release lacks them, the same results come from public calls

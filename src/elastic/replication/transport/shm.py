@@ -77,11 +77,9 @@ log = logging.getLogger("elastic")
 
 OnError = Callable[[BaseException], None]
 
-#: Default bucket bound. Measured on 2 cores with gloo, 128 MiB in a 2,000-parameter module, `elastic.sync`
-#: with each configuration interleaved in one run (bench_transport.py, medians of 9 rounds, two runs, idle
-#: machine, with the kept layouts and bucket plans): 16 MiB in 2 slots 1.58-1.78x one flat broadcast, 8 MiB
-#: in 4 slots 1.60-1.76x, 8 MiB in 3 slots 1.87-1.90x. Fewer, larger buckets mean fewer all-reduce round
-#: trips; two 16 MiB slots keep the shared memory to the broadcast transport's two 16 MiB buckets.
+#: Default bucket bound (the measurements behind it: docs/performance.md, "How the tensors move"). Fewer,
+#: larger buckets mean fewer all-reduce round trips; two 16 MiB slots keep the shared memory to the
+#: broadcast transport's two 16 MiB buckets.
 SHM_BUCKET_BYTES = 16 * 2**20
 #: Default ring depth: slots of the shared segment, buckets the source may fill before receivers catch up
 #: (at least 2: the source packs one slot while receivers unpack another).
