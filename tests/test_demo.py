@@ -229,9 +229,7 @@ KILLS = [(4, 1), (7, 1), (8, 0), (11, 0), (5, 0)]
 
 
 @pytest.mark.timeout(1200)
-def test_runs_with_a_killed_worker_all_finish_and_match_the_reference(
-    reference: Run, tmp_path: Path
-) -> None:
+def test_runs_with_a_killed_worker_all_finish_and_match_the_reference(reference: Run, tmp_path: Path) -> None:
     """Restarts that never hang: examples/train.py starts its group with elastic.init_process_group()
     (pytorch/pytorch#135712 made plain restarts on torchrun's shared store fail or hang)."""
     for i, (fail_at, fail_rank) in enumerate(KILLS):
