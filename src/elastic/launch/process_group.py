@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic._util.errors import ElasticError
 from elastic._util.timeouts import as_timedelta
 
 __all__ = ["init_process_group", "store_prefix"]
@@ -39,7 +40,7 @@ def _env(name: str, why: str) -> str:
             f"elastic.init_process_group: environment variable {name} is not set ({why}); start the "
             f"workers with torchrun or elastic.spawn, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     return value
 
 
@@ -47,9 +48,9 @@ def _env_int(name: str, why: str) -> int:
     value = _env(name, why)
     try:
         return int(value)
-    except ValueError:
+    except ValueError as exc:
         msg = f"elastic.init_process_group: environment variable {name}={value!r} is not an integer"
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg) from exc
 
 
 def _uses_agent_store() -> bool:
@@ -85,7 +86,7 @@ def _set_cuda_device() -> None:
             f"elastic.init_process_group: LOCAL_RANK={local_rank} but this machine has {count} CUDA "
             f"device(s); start at most {count} workers per machine for backend 'nccl', or use 'gloo'"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     torch.cuda.set_device(local_rank)
 
 
@@ -107,6 +108,12 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | float
     its store; None keeps torch's default. Under torchrun with its shared rendezvous store (the default),
     the keys of each restart live under their own prefix (see `store_prefix`), so restarted workers never
     read their predecessors' addresses.
+
+    Raises:
+        ElasticError: the default process group already exists (the error `elastic.run` raises then too);
+            a launcher variable (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) is missing or not an
+            integer; ``LOCAL_RANK`` names no CUDA device of this machine for nccl.
+        TypeError: bad arguments.
     """
     td = as_timedelta(timeout, "elastic.init_process_group")
     if backend is None:
@@ -122,7 +129,7 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | float
             f"{dist.get_backend()!r}); call it once per process, or "
             "torch.distributed.destroy_process_group() first"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     if "nccl" in backend:
         _set_cuda_device()
     why = "the launcher sets it"
