@@ -35,6 +35,7 @@ from elastic.checkpoint import read as R
 from elastic.checkpoint import saveload as C
 from elastic.checkpoint import write as W
 from elastic.checkpoint.content import CHUNK, hash_file
+from elastic.checkpoint.options import LoadOptions, SaveOptions
 from elastic.checkpoint.storage import local as S
 
 # ---------------------------------------------------------------------------------------------------------
@@ -394,7 +395,31 @@ def test_manifest_contents(tmp_path: Path) -> None:
         crcs = b"".join(zlib.crc32(c).to_bytes(4, "little") for c in chunks)
         assert rec["crc32_tree"] == hashlib.sha256(crcs).hexdigest()
     assert manifest["digest"] == M._digest_of(manifest)
-    assert M.validate(path).tenure == (2, 31)
+    assert M.validate(path, S.LOCAL).tenure == (2, 31)
+
+
+def test_internal_calls_name_their_storage_or_fail(tmp_path: Path) -> None:
+    """Forgetting the storage is a TypeError, never the local disk by default."""
+    path = elastic.save(_plain(0, steps=1), tmp_path)
+    assert isinstance(path, Path)
+    manifest = M.validate(path, S.LOCAL).manifest
+    forgotten = [
+        lambda: M.is_checkpoint_dir(path),  # type: ignore[call-arg]
+        lambda: M.validate(path),  # type: ignore[call-arg]
+        lambda: M.scan(tmp_path),  # type: ignore[call-arg]
+        lambda: R.Verification(path, manifest, "state.pt"),  # type: ignore[call-arg]
+        lambda: C.SaveHandle(None, 0, None, None),  # type: ignore[call-arg, arg-type]
+        lambda: SaveOptions(root=tmp_path, keep=3, blocking=True, scope="global"),  # type: ignore[call-arg]
+        lambda: LoadOptions(root=tmp_path, trusted=False, strict=True),  # type: ignore[call-arg]
+    ]
+    for call in forgotten:
+        with pytest.raises(TypeError, match="storage"):
+            call()
+    # the public calls resolve it once from the path
+    options = SaveOptions.of(tmp_path, keep=None, blocking=False, scope="node", storage_options=None)
+    assert options == SaveOptions(storage=S.LOCAL, root=tmp_path, keep=None, blocking=False, scope="node")
+    loading = LoadOptions.of(str(tmp_path), trusted=True, strict=False, storage_options=None)
+    assert loading == LoadOptions(storage=S.LOCAL, root=tmp_path, trusted=True, strict=False)
 
 
 def test_directory_names_sort_by_tenure_and_equal_tenures_keep_both(tmp_path: Path) -> None:
@@ -589,7 +614,7 @@ def test_manifest_validation(tmp_path: Path, edit: Any, message: str | None) -> 
         manifest["digest"] = M._digest_of(manifest)
     mpath.write_bytes(M.manifest_bytes(manifest))
     with pytest.raises(M.InvalidCheckpoint, match=message or "its own digest"):
-        M.validate(path)
+        M.validate(path, S.LOCAL)
     with pytest.warns(RuntimeWarning, match="skipping checkpoint"):
         assert elastic.load(_plain(1), tmp_path).source == "memory"
 
@@ -602,7 +627,7 @@ def test_symlink_out_of_the_checkpoint_is_rejected(tmp_path: Path) -> None:
     (path / "state.pt").unlink()
     (path / "state.pt").symlink_to(outside)
     with pytest.raises(M.InvalidCheckpoint, match="outside the checkpoint"):
-        M.validate(path)
+        M.validate(path, S.LOCAL)
 
 
 class Evil:
@@ -648,6 +673,41 @@ def test_malicious_pickles_never_run(tmp_path: Path) -> None:
         report = elastic.load(dst2, root2, trusted=True)
     assert report.tenure == 1  # fell back to the previous checkpoint
     assert not marker.exists()
+
+
+def test_a_failed_read_keeps_the_cause(tmp_path: Path) -> None:
+    # torch.load refuses the content file: its whole error (several lines of advice) is the cause
+    s = _plain(0, steps=1)
+    s.step = 1
+    bad = elastic.save(s, tmp_path / "root")
+    assert isinstance(bad, Path)
+    content = {"format": 1, "skeleton": Evil(str(tmp_path / "pwned")), "tensors": [], "devices": []}
+    torch.save(content, bad / "state.pt")
+    _resign(bad)
+    with (
+        pytest.warns(RuntimeWarning, match="cannot be loaded safely"),
+        pytest.raises(elastic.CheckpointCorruptError, match="cannot be loaded safely") as info,
+    ):
+        elastic.load(_plain(1), bad, trusted=True)  # that checkpoint alone: nothing replaces it
+    cause = info.value.__cause__
+    assert isinstance(cause, pickle.UnpicklingError)
+    assert str(cause).startswith("Weights only load failed") and len(str(cause).splitlines()) > 1
+    assert not (tmp_path / "pwned").exists()
+
+    # objects that cannot be unpickled here: the unpickler's error is the cause
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class WithObject:
+        obj: Any = None
+        step: int = 0
+
+    w = WithObject(obj=Evil(str(tmp_path / "made")), step=1)
+    path = elastic.save(w, tmp_path / "objects")
+    assert isinstance(path, Path)
+    (tmp_path / "made").write_text("a file")  # unpickling fails: os.mkdir finds the path taken
+    with pytest.raises(elastic.CheckpointError, match="could not unpickle") as info:
+        elastic.load(WithObject(), path, trusted=True)
+    assert isinstance(info.value.__cause__, FileExistsError)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -863,13 +923,15 @@ def test_writer_errors_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(S, "_write_all", full)
     with pytest.raises(
         elastic.CheckpointError, match=r"No space left on device\. Free disk space, lower keep="
-    ):
+    ) as info:
         elastic.save(s, tmp_path / "root")
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     monkeypatch.undo()
     assert not [n for n in os.listdir(tmp_path / "root") if n.startswith(".tmp-")]
     s.losses = [NoSpace()]
-    with pytest.raises(elastic.CheckpointError, match=r"cannot pickle losses\.0"):
+    with pytest.raises(elastic.CheckpointError, match=r"cannot pickle losses\.0") as info:
         elastic.save(s, tmp_path / "root")
+    assert isinstance(info.value.__cause__, TypeError)  # the writer's own exception is the cause
     assert W.explain(OSError(28, "No space left on device")).endswith("lower keep=, or save to another path")
 
 
@@ -907,8 +969,9 @@ def test_async_save_snapshot_wait_and_errors(tmp_path: Path, monkeypatch: pytest
     s.step = 13
     failing = elastic.save(s, tmp_path, blocking=False)
     assert isinstance(failing, C.SaveHandle)
-    with pytest.raises(elastic.CheckpointError, match="fault injected on rank 0 at write"):
+    with pytest.raises(elastic.CheckpointError, match="fault injected on rank 0 at write") as info:
         failing.wait()
+    assert type(info.value.__cause__).__name__ == "FaultInjected"
     with pytest.raises(elastic.CheckpointError, match="fault injected"):
         failing.wait()  # the same verdict again
     s.step = 14
@@ -918,8 +981,9 @@ def test_async_save_snapshot_wait_and_errors(tmp_path: Path, monkeypatch: pytest
         time.sleep(0.01)
     monkeypatch.delenv("ELASTIC_FAULT")
     previous = r"previous save\(blocking=False\) failed.*fault injected"
-    with pytest.raises(elastic.CheckpointError, match=previous):
+    with pytest.raises(elastic.CheckpointError, match=previous) as info:
         elastic.save(s, tmp_path)
+    assert isinstance(info.value.__cause__, elastic.CheckpointError)  # the unwaited handle's error
     assert elastic.save(s, tmp_path) == tmp_path / "ckpt-000000000014"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
 
@@ -1129,7 +1193,8 @@ def _grouped_checks(rank: int, world: int, base: str, single_ckpt: str) -> dict[
 
     def write_local(step: int) -> None:
         w = state(10 + rank, step)
-        assert writer.run_job(writer.prepare(w, mine, None, rank, 1, step, False)).error is None
+        options = SaveOptions(storage=S.LOCAL, root=mine, keep=None, blocking=True, scope="rank")
+        assert writer.run_job(writer.prepare(w, options, rank=rank, world=1, tenure=step)).error is None
 
     for step in (3, 7) if rank == 1 else (5,):
         write_local(step)
@@ -1237,4 +1302,4 @@ def test_grouped_save_and_load(tmp_path: Path) -> None:
     assert r0["node_path"] == str(tmp_path / "node0" / "ckpt-000000000021")
     assert r1["node_path"] == str(tmp_path / "node1" / "ckpt-000000000021")
     for rank in (0, 1):
-        assert M.validate(tmp_path / f"node{rank}" / "ckpt-000000000021").tenure == 21
+        assert M.validate(tmp_path / f"node{rank}" / "ckpt-000000000021", S.LOCAL).tenure == 21

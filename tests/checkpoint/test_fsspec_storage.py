@@ -425,6 +425,7 @@ def test_errors_are_explained_with_their_fix() -> None:
 
     assert "endpoint_url" in str(explain(EndpointConnectionError("Could not connect")))
     assert "throttling or failing" in str(explain(OSError("SlowDown: Please reduce your request rate")))
+    assert "throttling or failing" in str(explain(OSError("InternalError: please retry")))
     assert explain(ValueError("not the store's")) is None
 
 

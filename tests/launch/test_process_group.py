@@ -98,7 +98,7 @@ def test_under_torchrun_with_several_agents_it_warns_once(
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
     dist.barrier()
 
-    with pytest.raises(RuntimeError, match="already initialised"):
+    with pytest.raises(elastic.ElasticError, match="already initialised"):
         elastic.init_process_group("gloo")
     dist.destroy_process_group()
 
@@ -112,7 +112,7 @@ def test_under_torchrun_with_several_agents_it_warns_once(
 def test_outside_torchrun_it_is_env_init_and_missing_variables_are_named(
     server: dist.TCPStore, clean_env: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(RuntimeError, match="RANK is not set"):
+    with pytest.raises(elastic.ElasticError, match="RANK is not set"):
         elastic.init_process_group()
     with pytest.raises(TypeError, match="timeout"):
         elastic.init_process_group(timeout=-1)
@@ -131,6 +131,21 @@ def test_outside_torchrun_it_is_env_init_and_missing_variables_are_named(
         assert dist.get_backend() == "gloo"
     assert dist.get_world_size() == 1
     dist.barrier()
+
+
+def test_an_existing_group_is_the_same_error_here_and_in_run(clean_env: pytest.MonkeyPatch) -> None:
+    from elastic.recovery import run as _run
+
+    clean_env.setenv("RANK", "x")
+    with pytest.raises(elastic.ElasticError, match=r"RANK='x' is not an integer") as bad:
+        elastic.init_process_group("gloo")
+    assert isinstance(bad.value.__cause__, ValueError)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(elastic.ElasticError, match="already initialised") as here:
+        elastic.init_process_group("gloo")
+    with pytest.raises(elastic.ElasticError, match="already exists") as in_run:
+        _run._new_group(dist.HashStore(), None, "gloo", timedelta(seconds=10))
+    assert type(here.value) is type(in_run.value) is elastic.ElasticError
 
 
 def die_until_the_last_attempt(folder: str, last: int) -> int:

@@ -443,6 +443,30 @@ def test_the_first_failure_is_a_silent_death_when_the_raising_rank_saw_it_dead(t
     assert (err.rank, err.exc_type, err.exc_message) == (0, "RuntimeError", "Connection closed by peer")
 
 
+def _refuse_here() -> None:
+    raise ValueError("this value cannot be rebuilt in the caller")
+
+
+class _OnlyThere:
+    """Pickles in the worker; unpickling it in the caller raises."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_refuse_here, ())
+
+
+def _return_only_there() -> _OnlyThere:
+    return _OnlyThere()
+
+
+@pytest.mark.parametrize("restart", ["group", "worker"])
+def test_a_result_that_cannot_be_unpickled_keeps_the_cause(restart: str) -> None:
+    with pytest.raises(WorkerError, match="could not be unpickled here") as info:
+        elastic.spawn(_return_only_there, 1, restart=restart, timeout=100)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == "this value cannot be rebuilt in the caller"
+    _assert_no_workers_left()
+
+
 # --------------------------------------------------------------------------------------------------------
 # restart="worker": the store in the caller, single workers restarted in their slots
 

@@ -13,6 +13,7 @@ import torch
 import elastic
 from elastic.checkpoint import saveload as C
 from elastic.checkpoint.manifest import scan
+from elastic.checkpoint.storage.local import LOCAL
 from elastic.state.tenure import (
     Incomparable,
     as_saveable,
@@ -84,14 +85,14 @@ def test_saved_checkpoints_are_scanned_retained_and_loaded_in_the_election_order
     for value in distinct:
         state.step = value
         elastic.save(state, tmp_path / "all", keep=None)
-    found = [c.tenure for c in scan(tmp_path / "all")]
+    found = [c.tenure for c in scan(tmp_path / "all", storage=LOCAL)]
     assert [order_key(t) for t in found] == [order_key(t) for t in _descending(distinct)]
     assert found[0] == distinct[elect(distinct)]
     # retention keeps the two most tenured, and the checkpoint just written
     for value in distinct:
         state.step = value
         elastic.save(state, tmp_path / "kept", keep=2)
-    kept = {order_key(c.tenure) for c in scan(tmp_path / "kept")}
+    kept = {order_key(c.tenure) for c in scan(tmp_path / "kept", storage=LOCAL)}
     assert kept == {order_key(t) for t in [*_descending(distinct)[:2], distinct[-1]]}
     # load (a fresh state: tenure None) reads the checkpoint the election would choose
     fresh = Counter()

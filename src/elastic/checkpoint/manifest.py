@@ -26,7 +26,6 @@ import attrs
 from elastic.checkpoint.codec import CONTENT, MANIFEST, OBJECTS
 from elastic.checkpoint.content import HASH, TREE_KEY
 from elastic.checkpoint.storage.base import Misplaced, Storage
-from elastic.checkpoint.storage.local import LOCAL
 from elastic.state.tenure import order_key
 
 __all__ = [
@@ -157,7 +156,7 @@ class Candidate:
         return (order_key(self.tenure), self.created_ns, name)
 
 
-def is_checkpoint_dir(path: Any, storage: Storage = LOCAL) -> bool:
+def is_checkpoint_dir(path: Any, storage: Storage) -> bool:
     """Whether `path` is one checkpoint directory (it has a manifest) rather than a root of several."""
     return storage.exists(storage.join(path, MANIFEST))
 
@@ -191,10 +190,10 @@ def _size(storage: Storage, path: Any, missing: str, directory: Any = None) -> i
     except Misplaced as exc:
         raise _bad(path, str(exc)) from None
     except OSError as exc:
-        raise _bad(path, f"cannot be read ({exc})") from None
+        raise _bad(path, f"cannot be read ({exc})") from exc
 
 
-def validate(directory: Any, storage: Storage = LOCAL) -> Candidate:
+def validate(directory: Any, storage: Storage) -> Candidate:
     """Read and check one checkpoint's manifest (and its files' sizes); `InvalidCheckpoint` otherwise."""
     mpath = storage.join(directory, MANIFEST)
     size = _size(storage, mpath, "missing: the checkpoint is incomplete")
@@ -204,7 +203,7 @@ def validate(directory: Any, storage: Storage = LOCAL) -> Candidate:
         raw = storage.read_bytes(mpath, MAX_MANIFEST + 1)
         manifest = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _bad(mpath, f"is not valid JSON ({type(exc).__name__}: {exc})") from None
+        raise _bad(mpath, f"is not valid JSON ({type(exc).__name__}: {exc})") from exc
     if not isinstance(manifest, dict):
         raise _bad(mpath, "is not a JSON object")
     if manifest.get("format") != FORMAT:
@@ -223,7 +222,7 @@ def validate(directory: Any, storage: Storage = LOCAL) -> Candidate:
     try:
         tenure = tenure_from_json(manifest.get("tenure"))
     except ValueError as exc:
-        raise _bad(mpath, f"has an unreadable tenure ({exc})") from None
+        raise _bad(mpath, f"has an unreadable tenure ({exc})") from exc
     created, world = manifest.get("created_ns"), manifest.get("world_size")
     fields, objects = manifest.get("fields"), manifest.get("objects")
     if not (isinstance(created, int) and isinstance(world, int) and world >= 1):
@@ -261,7 +260,7 @@ def _is_field(f: Any) -> bool:
     return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("kind"), str)
 
 
-def scan(root: Any, *, warn: bool = True, op: str = "load", storage: Storage = LOCAL) -> list[Candidate]:
+def scan(root: Any, *, storage: Storage, warn: bool = True, op: str = "load") -> list[Candidate]:
     """The valid checkpoints directly under `root`, most tenured first (manifests only, no checksums).
 
     Hidden entries (temporary and doomed directories start with '.') are skipped. A directory that looks

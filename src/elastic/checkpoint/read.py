@@ -33,8 +33,8 @@ from elastic.checkpoint.codec import (
 )
 from elastic.checkpoint.content import TREE_KEY, hash_file
 from elastic.checkpoint.manifest import InvalidCheckpoint, skipped, validate
+from elastic.checkpoint.options import LoadOptions
 from elastic.checkpoint.storage.base import Storage
-from elastic.checkpoint.storage.local import LOCAL
 from elastic.state.config import saved_fields
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.tree import (
@@ -61,41 +61,51 @@ log = logging.getLogger("elastic")
 @attrs.frozen
 class Status:
     """The reader's verdict: ``ok``, ``corrupt`` (skip it), or an error kind raised on every rank; and
-    whether the reader's state was left torn (its tenure then counts as `None`)."""
+    whether the reader's state was left torn (its tenure then counts as `None`).
+
+    `cause` is the exception behind the verdict (torch's, the unpickler's, the storage's), on the reader
+    only: it stays out of what the group is told (`shared`), and the reader raises its error from it."""
 
     kind: Literal["ok", "corrupt", "untrusted", "mismatch", "error"]
     message: str = ""
     torn: bool = False
+    cause: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+
+    def shared(self) -> Status:
+        """The verdict as the other ranks receive it (without the local `cause`)."""
+        return attrs.evolve(self, cause=None)
 
 
 class Refused(Exception):
+    """A checkpoint this state cannot take (`kind`: ``untrusted``, ``mismatch`` or ``error``)."""
+
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
-def read(
-    state: Any, directory: Any, trusted: bool, strict: bool, stream: bool, storage: Storage = LOCAL
-) -> Status:
+def read(state: Any, directory: Any, options: LoadOptions, *, stream: bool) -> Status:
     """Verify `directory` and apply it to `state`; never raises (the verdict goes to every rank)."""
+    storage = options.storage
     try:
         with storage.session(directory):
-            read_into(state, directory, trusted, strict, stream, storage)
+            read_into(state, directory, options, stream=stream)
         return Status("ok")
     except InvalidCheckpoint as exc:
         skipped("load", str(exc))
-        return Status("corrupt", str(exc), torn=lineage(state).torn)
+        return Status("corrupt", str(exc), torn=lineage(state).torn, cause=exc.__cause__)
     except Refused as exc:
-        return Status(exc.kind, str(exc), torn=lineage(state).torn)  # type: ignore[arg-type]
+        kind: Any = exc.kind
+        return Status(kind, str(exc), torn=lineage(state).torn, cause=exc.__cause__)
     except Exception as exc:
         text = f"reading {directory} failed: {storage.explain(exc) or f'{type(exc).__name__}: {exc}'}"
-        return Status("error", text, torn=lineage(state).torn)
+        return Status("error", text, torn=lineage(state).torn, cause=exc)
 
 
 class Verification:
     """Checksums of one file computed on a helper thread (`wait` raises `InvalidCheckpoint`)."""
 
-    def __init__(self, directory: Any, manifest: dict[str, Any], name: str, storage: Storage = LOCAL) -> None:
+    def __init__(self, directory: Any, manifest: dict[str, Any], name: str, storage: Storage) -> None:
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(directory, manifest, name, storage), name="elastic-verify", daemon=True
@@ -114,13 +124,13 @@ class Verification:
             raise self._error
 
 
-def _verify(directory: Any, manifest: dict[str, Any], name: str, storage: Storage = LOCAL) -> None:
+def _verify(directory: Any, manifest: dict[str, Any], name: str, storage: Storage) -> None:
     rec = manifest["files"][name]
     fpath = storage.join(directory, name)
     try:
         size, digest = hash_file(storage, fpath, rec["chunk"])
     except OSError as exc:
-        raise InvalidCheckpoint(f"{fpath}: cannot be read ({exc})") from None
+        raise InvalidCheckpoint(f"{fpath}: cannot be read ({exc})") from exc
     if size != rec["size"]:
         raise InvalidCheckpoint(
             f"{fpath}: is {size} bytes, the manifest says {rec['size']}: truncated or altered"
@@ -129,11 +139,10 @@ def _verify(directory: Any, manifest: dict[str, Any], name: str, storage: Storag
         raise InvalidCheckpoint(f"{fpath}: checksum mismatch: the file is damaged or was altered")
 
 
-def read_into(
-    state: Any, directory: Any, trusted: bool, strict: bool, stream: bool = False, storage: Storage = LOCAL
-) -> None:
+def read_into(state: Any, directory: Any, options: LoadOptions, *, stream: bool) -> None:
     """Read, verify and apply one checkpoint. With `stream`, the content file is verified while it is
     parsed and copied in (the state is torn if it turns out corrupt); otherwise before."""
+    storage = options.storage
     manifest = validate(directory, storage).manifest
     cls = type(state)
     saved_class = manifest.get("class")
@@ -147,10 +156,10 @@ def read_into(
         )
     live = [a.name for a in saved_fields(cls)]
     saved = [f["name"] for f in manifest["fields"]]
-    _check_fields(directory, live, saved, strict, "")
+    _check_fields(directory, live, saved, "", strict=options.strict)
     applied = [n for n in saved if n in live]
     needed = [o for o in manifest["objects"] if o.get("field") in applied]
-    if needed and not trusted:
+    if needed and not options.trusted:
         names = sorted({str(o.get("field")) for o in needed})
         detail = ", ".join(f"{o.get('path')} ({o.get('type')})" for o in needed[:8])
         more = f" and {len(needed) - 8} more" if len(needed) > 8 else ""
@@ -165,7 +174,7 @@ def read_into(
     if verification is None:
         _verify(directory, manifest, CONTENT, storage)
     try:
-        node, tensors, devices = _parse(state, directory, manifest, trusted, strict, applied, needed, storage)
+        node, tensors, devices = _parse(state, directory, manifest, options, applied, needed)
     except BaseException:
         if verification is not None:
             verification.wait()  # a checksum mismatch explains a parse failure best
@@ -177,14 +186,13 @@ def _parse(
     state: Any,
     directory: Any,
     manifest: dict[str, Any],
-    trusted: bool,
-    strict: bool,
+    options: LoadOptions,
     applied: list[str],
     needed: list[Any],
-    storage: Storage,
 ) -> tuple[StateNode, list[torch.Tensor], list[str]]:
     """Load the content (weights_only, memory-mapped where the storage maps files) and objects, decode the
     skeleton and check it against the live state. Writes nothing into the state."""
+    storage = options.storage
     objects: list[Any] = []
     opath, cpath = storage.join(directory, OBJECTS), storage.join(directory, CONTENT)
     if needed:
@@ -197,16 +205,16 @@ def _parse(
                 f"could not unpickle {opath} ({type(exc).__name__}: {exc}); the classes and "
                 "functions it refers to must be importable here"
             )
-            raise Refused("error", msg) from None
+            raise Refused("error", msg) from exc
         if not isinstance(objects, list):
             raise InvalidCheckpoint(f"{opath}: does not hold a list of objects")
     try:
         payload = _load_content(storage, cpath)
-    except Exception as exc:
+    except Exception as exc:  # the message has torch's first line; its whole error stays the cause
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InvalidCheckpoint(f"{cpath}: cannot be loaded safely ({type(exc).__name__}: {text})") from None
+        raise InvalidCheckpoint(f"{cpath}: cannot be loaded safely ({type(exc).__name__}: {text})") from exc
     tensors, devices, skeleton = _unpack(cpath, payload, applied, objects)
-    node = _reconcile(skeleton, state, (), strict, tensors, directory)
+    node = _reconcile(skeleton, state, (), tensors, directory, strict=options.strict)
     return node, tensors, devices
 
 
@@ -246,11 +254,11 @@ def _unpack(
     try:
         skeleton = decode_skeleton(pruned, len(tensors), obj)
     except FormatError as exc:
-        raise InvalidCheckpoint(f"{where}: {exc}") from None
+        raise InvalidCheckpoint(f"{where}: {exc}") from exc
     return tensors, devices, skeleton
 
 
-def _check_fields(directory: Path, live: list[str], saved: list[str], strict: bool, prefix: str) -> None:
+def _check_fields(directory: Path, live: list[str], saved: list[str], prefix: str, *, strict: bool) -> None:
     missing = [prefix + n for n in live if n not in saved]
     extra = [prefix + n for n in saved if n not in live]
     if not (missing or extra):
@@ -299,15 +307,16 @@ def _reconcile(
     node: StateNode,
     state: Any,
     path: tuple[Any, ...],
-    strict: bool,
     tensors: list[torch.Tensor],
     directory: Path,
+    *,
+    strict: bool,
 ) -> StateNode:
     """Check the checkpoint's fields against the live state before anything is written; prune extras."""
     live = [a.name for a in saved_fields(type(state))]
     if path:
         prefix = path_str(path) + "."
-        _check_fields(directory, live, list(node.fields), strict, prefix)
+        _check_fields(directory, live, list(node.fields), prefix, strict=strict)
     fields: dict[str, Any] = {}
     for name, child in node.fields.items():
         if name not in live:
@@ -323,7 +332,7 @@ def _reconcile(
             )
             raise Refused("mismatch", msg)
         if isinstance(child, StateNode):
-            child = _reconcile(child, current, (*path, name), strict, tensors, directory)
+            child = _reconcile(child, current, (*path, name), tensors, directory, strict=strict)
         elif isinstance(child, StatefulNode) and child.kind == "module":
             _check_module(child, current, where, tensors, directory)
         fields[name] = child

@@ -1,7 +1,7 @@
 """Checkpoints: collective `save` and `load`, the async save handle, and the `Stateful` protocol methods.
 
 `save` elects the writer (the most tenured rank, lowest in ties; one per node with ``scope="node"``), which
-writes the checkpoint through the root's storage (`_locate`: a local directory, written into a temporary
+writes the checkpoint through the root's storage (`locate`: a local directory, written into a temporary
 directory, fsynced and renamed into place; or an fsspec URL, data objects first and the manifest last); the
 other ranks wait in one small all-gather that tells everyone the path or the writer's error.
 
@@ -43,9 +43,8 @@ from elastic.checkpoint.manifest import (
     skipped,
     validate,
 )
+from elastic.checkpoint.options import LoadOptions, SaveOptions, Scope
 from elastic.checkpoint.storage.base import Storage
-from elastic.checkpoint.storage.local import LOCAL
-from elastic.checkpoint.storage.locate import locate
 from elastic.replication.collective import Collective
 from elastic.replication.sync import sync_in
 from elastic.state.config import StateConfig, attached, config_of, is_elastic_state, saved_fields
@@ -68,8 +67,6 @@ __all__ = [
 
 log = logging.getLogger("elastic")
 
-Scope = Literal["global", "node", "rank"]
-
 
 @attrs.frozen
 class LoadReport:
@@ -91,12 +88,6 @@ class LoadReport:
     path: Path | str | None
     world_size: int
     saved_world_size: int | None = None
-
-
-def _check_bool(value: Any, name: str, op: str) -> None:
-    if not isinstance(value, bool):
-        msg = f"{op}({name}=...) must be True or False, got {value!r}"
-        raise TypeError(msg) from None
 
 
 def _node_id() -> str:
@@ -134,22 +125,23 @@ def _save_failure(rank: int, error: str) -> TenureError:
     return TenureError(msg)
 
 
-def _conclude(
-    outcomes: Sequence[_w.Outcome | None], mine: int, world: int, storage: Storage = LOCAL
-) -> Path | str:
+def _commit(g: Collective, outcome: _w.Outcome | None, mine: int, storage: Storage) -> Path | str:
+    """Every writer's `outcome` to every rank: the path of rank `mine`'s checkpoint, or the writers' errors
+    raised on every rank (on a failing writer, from its own exception)."""
+    outcomes = g.gather(None if outcome is None else outcome.shared(), "save-commit")
     failed = [o for o in outcomes if o is not None and o.error is not None]
     if failed:
         parts = []
         for o in failed:
-            who = "" if world == 1 else f" on rank {o.rank} (the writer)"
+            who = "" if g.world == 1 else f" on rank {o.rank} (the writer)"
             parts.append(f"writing the checkpoint under {o.root}{who} failed: {o.error}")
         msg = "save: " + "; ".join(parts) + ". No checkpoint was published by the failing writer"
-        raise CheckpointError(msg) from None
-    outcome = outcomes[mine]
-    if outcome is None or outcome.path is None:  # cannot happen: every writer reports
+        raise CheckpointError(msg) from (None if outcome is None else outcome.cause)
+    reported = outcomes[mine]
+    if reported is None or reported.path is None:  # cannot happen: every writer reports
         msg = f"save: rank {mine} (the writer) reported no result"
         raise CheckpointError(msg) from None
-    return storage.result(outcome.path)
+    return storage.result(reported.path)
 
 
 class SaveHandle:
@@ -166,7 +158,7 @@ class SaveHandle:
         mine: int,
         job: _w.Job | None,
         error: _w.Outcome | None,
-        storage: Storage = LOCAL,
+        storage: Storage,
     ) -> None:
         self._group = group
         self._storage = storage
@@ -208,8 +200,7 @@ class SaveHandle:
                 if self._thread is not None:
                     self._thread.join()
                 try:
-                    outcomes = self._group.gather(self._outcome, "save-commit")
-                    self._result = _conclude(outcomes, self._mine, self._group.world, self._storage)
+                    self._result = _commit(self._group, self._outcome, self._mine, self._storage)
                 except CheckpointError as exc:
                     self._result = exc
                 finally:
@@ -238,7 +229,7 @@ def _settle_inflight() -> None:
             previous.wait()
         except CheckpointError as exc:
             msg = f"the previous save(blocking=False) failed: {exc}"
-            raise CheckpointError(msg) from None
+            raise CheckpointError(msg) from exc
 
 
 @overload
@@ -338,31 +329,20 @@ def save(
         ImportError: a URL without the ``remote`` extra installed.
     """
     config = config_of(state, "elastic.save()")
-    storage, root = locate(path, storage_options, "save")
-    _check_save_options(keep, blocking, scope)
+    options = SaveOptions.of(path, keep=keep, blocking=blocking, scope=scope, storage_options=storage_options)
     deadline = as_timedelta(timeout, "save")
     _settle_inflight()
     g = Collective.of(group, deadline, "save")
-    records = g.gather_checked(_save_record(state, config, scope), "save-elect", _save_failure)
+    records = g.gather_checked(_save_record(state, config, options.scope), "save-elect", _save_failure)
     tenures = [rec.tenure for rec in records]
     best = elect(tenures, "save")
     top = _saveable_top(tenures[best])
-    mine, writers = _writers(state, config, g, scope, records, best)
-    job, failure = _prepare_write(state, g, storage, root, keep, top, writers, stage=not blocking)
-    if blocking:
+    mine, writers = _writers(state, config, g, options.scope, records, best)
+    job, failure = _prepare_write(state, g, options, top, writers)
+    if options.blocking:
         outcome = _w.run_job(job) if job is not None else failure
-        return _conclude(g.gather(outcome, "save-commit"), mine, g.world, storage)
-    return _write_in_background(g, mine, job, failure, storage)
-
-
-def _check_save_options(keep: Any, blocking: Any, scope: Any) -> None:
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-        msg = f"save(keep=...) must be a positive int (or None to keep every checkpoint), got {keep!r}"
-        raise ValueError(msg) from None
-    _check_bool(blocking, "blocking", "save")
-    if scope not in ("global", "node", "rank"):
-        msg = f"save(scope=...) must be 'global', 'node' or 'rank', got {scope!r}"
-        raise ValueError(msg) from None
+        return _commit(g, outcome, mine, options.storage)
+    return _write_in_background(g, mine, job, failure, options.storage)
 
 
 def _saveable_top(top: Any) -> Any:
@@ -403,22 +383,15 @@ def _writers(
 
 
 def _prepare_write(
-    state: Any,
-    g: Collective,
-    storage: Storage,
-    root: Any,
-    keep: int | None,
-    top: Any,
-    writers: set[int],
-    stage: bool,
+    state: Any, g: Collective, options: SaveOptions, top: Any, writers: set[int]
 ) -> tuple[_w.Job | None, _w.Outcome | None]:
-    """A writer's job (tensors staged to CPU when `stage`), or the outcome saying why it has none."""
+    """A writer's job (tensors staged to CPU for an async save), or the outcome saying why it has none."""
     if g.rank not in writers:
         return None, None
     try:
-        return _w.prepare(state, root, keep, g.rank, g.world, top, stage=stage, storage=storage), None
+        return _w.prepare(state, options, rank=g.rank, world=g.world, tenure=top), None
     except Exception as exc:
-        return None, _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(root))
+        return None, _w.Outcome(rank=g.rank, error=_w.explain(exc), root=str(options.root), cause=exc)
 
 
 def _write_in_background(
@@ -479,7 +452,8 @@ class _LoadRecord:
     error: tuple[str, str] | None = None
 
 
-def _load_record(state: Any, config: StateConfig, root: Any, storage: Storage = LOCAL) -> _LoadRecord:
+def _load_record(state: Any, config: StateConfig, options: LoadOptions) -> _LoadRecord:
+    root, storage = options.root, options.storage
     try:
         value = current(state, config, lineage(state))
         cloudpickle.dumps(value)
@@ -494,7 +468,7 @@ def _load_record(state: Any, config: StateConfig, root: Any, storage: Storage = 
                 return _LoadRecord(tenure=value, single=True, corrupt=(str(exc),))
             seen: tuple[_Seen, ...] = (_Seen(c.tenure, c.created_ns, str(c.path), c.world_size),)
             return _LoadRecord(tenure=value, seen=seen, single=True)
-        found = scan(root, op="load", storage=storage)
+        found = scan(root, storage=storage, op="load")
     except Exception as exc:
         text = storage.explain(exc) or f"{type(exc).__name__}: {exc}"
         return _LoadRecord(tenure=value, error=("scan", f"cannot list {root}: {text}"))
@@ -540,6 +514,8 @@ class _Search:
         self.memory = [rec.tenure for rec in records]
         self.mem_best = elect(self.memory, "load")
         self.corrupt = [c for rec in records for c in rec.corrupt]
+        #: the exception behind the last corrupt checkpoint this rank read itself (see `_r.Status.cause`)
+        self.cause: BaseException | None = None
         self.excluded: set[tuple[int, int]] = set()
 
     def seen(self, choice: tuple[int, int]) -> _Seen:
@@ -566,11 +542,13 @@ class _Search:
         self.memory[reader] = None
         self.mem_best = elect(self.memory, "load")
 
-    def skip(self, choice: tuple[int, int], message: str) -> None:
+    def skip(self, choice: tuple[int, int], verdict: _r.Status) -> None:
         """The checkpoint is corrupt: never choose it again (and report it if it was named alone)."""
         self.excluded.add(choice)
         if self.records[choice[0]].single:
-            self.corrupt.append(message)
+            self.corrupt.append(verdict.message)
+            if verdict.cause is not None:
+                self.cause = verdict.cause
 
 
 def load(
@@ -625,61 +603,51 @@ def load(
         RuntimeWarning: a skipped damaged or incomplete checkpoint, naming the file.
     """
     config = config_of(state, "elastic.load()")
-    storage, root = locate(path, storage_options, "load")
-    _check_bool(trusted, "trusted", "load")
-    _check_bool(strict, "strict", "load")
+    options = LoadOptions.of(path, trusted=trusted, strict=strict, storage_options=storage_options)
     g = Collective.of(group, as_timedelta(timeout, "load"), "load")
     with torch.inference_mode(False):  # tensors it allocates must be ordinary ones (see sync)
-        return _load_in(state, config, storage, root, g, trusted, strict)
+        return _load_in(state, config, options, g)
 
 
-def _load_in(
-    state: Any, config: StateConfig, storage: Storage, root: Any, g: Collective, trusted: bool, strict: bool
-) -> LoadReport:
-    records = g.gather_checked(
-        _load_record(state, config, root, storage), "load-scan", _scan_failure(g.world)
-    )
+def _load_in(state: Any, config: StateConfig, options: LoadOptions, g: Collective) -> LoadReport:
+    records = g.gather_checked(_load_record(state, config, options), "load-scan", _scan_failure(g.world))
     search = _Search(records)
     while (choice := search.next()) is not None:
         reader = choice[0]
-        verdict = _read_on_reader(state, g, storage, search, choice, trusted, strict)
+        verdict = _read_on_reader(state, g, options, search, choice)
         if verdict.torn:
             search.lost_memory(reader)
         if verdict.kind == "ok":
-            return _share_checkpoint(state, config, g, storage, reader, search.seen(choice))
+            return _share_checkpoint(state, config, g, options.storage, reader, search.seen(choice))
         if verdict.kind != "corrupt":
-            raise _read_error(verdict, reader, g.world)
-        search.skip(choice, verdict.message)
+            raise _read_error(verdict, reader, g.world) from verdict.cause
+        search.skip(choice, verdict)
         if g.rank != reader:
             log.warning("load: rank %d found %s", reader, verdict.message)
     if search.corrupt:
+        found = "; ".join(search.corrupt)
         msg = (
-            f"load: the checkpoint {root} is corrupt or incomplete: {'; '.join(search.corrupt)}. Load from "
-            "its parent directory to fall back to the next checkpoint, or restore the files"
+            f"load: the checkpoint {options.root} is corrupt or incomplete: {found}. Load from its parent "
+            "directory to fall back to the next checkpoint, or restore the files"
         )
-        raise CheckpointCorruptError(msg) from None
+        raise CheckpointCorruptError(msg) from search.cause
     report = sync_in(state, config, g, op="load")
     return LoadReport(source="memory", src=report.src, tenure=report.tenure, path=None, world_size=g.world)
 
 
 def _read_on_reader(
-    state: Any,
-    g: Collective,
-    storage: Storage,
-    search: _Search,
-    choice: tuple[int, int],
-    trusted: bool,
-    strict: bool,
+    state: Any, g: Collective, options: LoadOptions, search: _Search, choice: tuple[int, int]
 ) -> _r.Status:
-    """The reader reads, verifies and applies the checkpoint; every rank learns its verdict."""
+    """The reader reads, verifies and applies the checkpoint; every rank learns its verdict (the reader
+    keeps its own, with the exception behind it as `cause`)."""
     reader = choice[0]
     status = None
     if g.rank == reader:
-        path = storage.result(search.seen(choice).path)
-        status = _r.read(state, path, trusted, strict, search.expendable(choice), storage)
-    verdict = g.gather(status, "load-read")[reader]
+        path = options.storage.result(search.seen(choice).path)
+        status = _r.read(state, path, options, stream=search.expendable(choice))
+    verdict = g.gather(None if status is None else status.shared(), "load-read")[reader]
     assert verdict is not None  # the reader always reports
-    return verdict
+    return verdict if status is None else status
 
 
 def _share_checkpoint(

@@ -41,8 +41,7 @@ from elastic.checkpoint.manifest import (
     scan,
     tenure_to_json,
 )
-from elastic.checkpoint.storage.base import Storage
-from elastic.checkpoint.storage.local import LOCAL
+from elastic.checkpoint.options import SaveOptions
 from elastic.replication.comm import fault_point
 from elastic.state.config import saved_fields
 from elastic.state.tree import (
@@ -61,29 +60,32 @@ __all__ = ["Job", "Outcome", "explain", "prepare", "run_job", "write"]
 log = logging.getLogger("elastic")
 
 
-@attrs.define
+@attrs.frozen(kw_only=True)
 class Job:
     """What the writer needs, prepared on the caller's thread (so a background write sees a snapshot)."""
 
-    root: Any
-    keep: int | None
+    options: SaveOptions
     rank: int
     tenure: Any
     payload: dict[str, Any]
     objects: bytes | None
     info: dict[str, Any]
-    crc32: bool
-    storage: Storage = LOCAL
 
 
 @attrs.frozen
 class Outcome:
-    """A writer's result: the checkpoint's path, or the error text."""
+    """A writer's result: the checkpoint's path, or the error text (and, on the writer only, the exception
+    behind it as `cause`: `shared` leaves it out of what the group is told)."""
 
     rank: int
     path: str | None = None
     error: str | None = None
     root: str = ""
+    cause: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+
+    def shared(self) -> Outcome:
+        """The outcome as the other ranks receive it (without the local `cause`)."""
+        return attrs.evolve(self, cause=None)
 
 
 def versions() -> dict[str, str]:
@@ -96,20 +98,13 @@ def versions() -> dict[str, str]:
     }
 
 
-def prepare(
-    state: Any,
-    root: Any,
-    keep: int | None,
-    rank: int,
-    world: int,
-    tenure: Any,
-    stage: bool,
-    storage: Storage = LOCAL,
-) -> Job:
+def prepare(state: Any, options: SaveOptions, *, rank: int, world: int, tenure: Any) -> Job:
+    """The writer's job for `state` at `tenure`, written by `rank` of `world`; for an async save
+    (``options.blocking`` False) with the tensors copied to a CPU staging area."""
     flat = flatten(state, "save")
     encoded = encode_skeleton(flat.skeleton)
     objects = pickle_objects(encoded) if encoded.objects else None
-    tensors = stage_copy(flat.tensors, flat.metas) if stage else to_save(flat)
+    tensors = to_save(flat) if options.blocking else stage_copy(flat.tensors, flat.metas)
     payload = {
         "format": CONTENT_VERSION,
         "skeleton": encoded.plain,
@@ -130,17 +125,7 @@ def prepare(
         "versions": versions(),
         "objects": encoded.object_summary(),
     }
-    return Job(
-        root=root,
-        keep=keep,
-        rank=rank,
-        tenure=tenure,
-        payload=payload,
-        objects=objects,
-        info=info,
-        crc32=stage,
-        storage=storage,
-    )
+    return Job(options=options, rank=rank, tenure=tenure, payload=payload, objects=objects, info=info)
 
 
 # One staging copy of the tensors for async saves, reused while shapes and dtypes stay the same.
@@ -173,11 +158,12 @@ def stage_copy(tensors: list[torch.Tensor], metas: list[TensorMeta]) -> list[tor
         return out
 
 
-def _retain(storage: Storage, root: Any, keep: int | None, written: Any) -> None:
-    """Keep the `keep` most tenured complete checkpoints, and always `written`."""
+def _retain(options: SaveOptions, written: Any) -> None:
+    """Keep the `options.keep` most tenured complete checkpoints, and always `written`."""
+    storage, root, keep = options.storage, options.root, options.keep
     if keep is None:
         return
-    complete = scan(root, warn=False, op="save", storage=storage)
+    complete = scan(root, storage=storage, warn=False, op="save")
     keepers = {storage.name(c.path) for c in complete[:keep]} | {storage.name(written)}
     for cand in complete:
         if storage.name(cand.path) not in keepers:
@@ -188,7 +174,7 @@ def _retain(storage: Storage, root: Any, keep: int | None, written: Any) -> None
 
 def write(job: Job) -> Any:
     """Write one checkpoint durably under `job.root`; returns its location (a directory)."""
-    root, rank, storage = job.root, job.rank, job.storage
+    root, rank, storage = job.options.root, job.rank, job.options.storage
     if is_checkpoint_dir(root, storage):
         msg = (
             f"{root} is itself a checkpoint (it holds {MANIFEST}); pass the directory that holds checkpoints"
@@ -203,7 +189,8 @@ def write(job: Job) -> Any:
         files = []
         if job.objects is not None:
             files.append(write_bytes(pending, OBJECTS, job.objects))
-        files.append(write_content(pending, CONTENT, job.payload, crc32=job.crc32))
+        # torch's own CRC-32 stays on in the async writer (see `write_content`)
+        files.append(write_content(pending, CONTENT, job.payload, crc32=not job.options.blocking))
         fault_point("manifest", rank)
         manifest = build_manifest(job.info, files)
         pending.seal(MANIFEST, manifest_bytes(manifest))
@@ -215,17 +202,18 @@ def write(job: Job) -> Any:
     log.info("save: rank %d wrote %s (tenure %r)", rank, final, job.tenure)
     try:
         fault_point("retain", rank)
-        _retain(storage, root, job.keep, final)
+        _retain(job.options, final)
     except Exception as exc:  # the checkpoint is durable; failing to delete old ones is not fatal
         log.warning("save: retention under %s failed: %s: %s", root, type(exc).__name__, exc)
     return final
 
 
 def run_job(job: Job) -> Outcome:
+    root, storage = job.options.root, job.options.storage
     try:
-        return Outcome(rank=job.rank, path=str(write(job)), root=str(job.root))
+        return Outcome(rank=job.rank, path=str(write(job)), root=str(root))
     except Exception as exc:
-        return Outcome(rank=job.rank, error=job.storage.explain(exc) or explain(exc), root=str(job.root))
+        return Outcome(rank=job.rank, error=storage.explain(exc) or explain(exc), root=str(root), cause=exc)
 
 
 def explain(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic._util.errors import ElasticError
 from elastic._util.timeouts import as_timedelta
 
 __all__ = ["init_process_group", "store_prefix"]
@@ -39,7 +40,7 @@ def _env(name: str, why: str) -> str:
             f"elastic.init_process_group: environment variable {name} is not set ({why}); start the "
             f"workers with torchrun or elastic.spawn, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     return value
 
 
@@ -47,9 +48,9 @@ def _env_int(name: str, why: str) -> int:
     value = _env(name, why)
     try:
         return int(value)
-    except ValueError:
+    except ValueError as exc:
         msg = f"elastic.init_process_group: environment variable {name}={value!r} is not an integer"
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg) from exc
 
 
 def _uses_agent_store() -> bool:
@@ -85,7 +86,7 @@ def _set_cuda_device() -> None:
             f"elastic.init_process_group: LOCAL_RANK={local_rank} but this machine has {count} CUDA "
             f"device(s); start at most {count} workers per machine for backend 'nccl', or use 'gloo'"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     torch.cuda.set_device(local_rank)
 
 
@@ -115,8 +116,10 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | float
             None keeps torch's default.
 
     Raises:
-        RuntimeError: the default process group is already initialised.
-        TypeError: `backend` is not a backend name.
+        ElasticError: the default process group already exists (the error `elastic.run` raises then too);
+            a launcher variable (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) is missing or not an
+            integer; ``LOCAL_RANK`` names no CUDA device of this machine for nccl.
+        TypeError: bad arguments.
 
     Warns:
         RuntimeWarning: once, with several torchrun agents (``GROUP_WORLD_SIZE`` > 1) and torchrun's
@@ -136,7 +139,7 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta | float
             f"{dist.get_backend()!r}); call it once per process, or "
             "torch.distributed.destroy_process_group() first"
         )
-        raise RuntimeError(msg) from None
+        raise ElasticError(msg)
     if "nccl" in backend:
         _set_cuda_device()
     why = "the launcher sets it"

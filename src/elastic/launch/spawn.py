@@ -434,7 +434,7 @@ def _results(tmp: Path, nprocs: int) -> list[Any]:
                 f"elastic.spawn: the value returned by rank {rank} could not be unpickled here "
                 f"({type(exc).__name__}: {exc}); return plain data (tensors, numbers, dicts) instead"
             )
-            raise WorkerError(msg, rank=rank, exc_type=type(exc).__name__, exc_message=str(exc)) from None
+            raise WorkerError(msg, rank=rank, exc_type=type(exc).__name__, exc_message=str(exc)) from exc
     return out
 
 
@@ -763,7 +763,7 @@ def _spawn_workers(
                 )
                 raise WorkerError(
                     msg, rank=slot.index, exc_type=type(exc).__name__, exc_message=str(exc)
-                ) from None
+                ) from exc
         return results
     finally:
         _stop_slots(slots)

@@ -286,7 +286,7 @@ def _module_diff(layouts: Sequence[Sequence[tuple[str, tuple[int, ...], str]]]) 
 # Sync
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Payload:
     """What the source broadcasts as one cloudpickle object.
 
@@ -347,11 +347,23 @@ def _pickle_skeleton(skeleton: StateNode) -> bytes:
 def _payload(
     packed: Any, encoded: Any, plan: Any, token: Any, torn: Any, tenure: Any, error: Any, layout: Any
 ) -> Payload:
-    return Payload(None, None, plan, token, torn, tenure, error, packed, layout, encoded)
+    return Payload(
+        skeleton=None,
+        metas=None,
+        plan=plan,
+        token=token,
+        torn=torn,
+        tenure=tenure,
+        error=error,
+        packed=packed,
+        layout=layout,
+        encoded=encoded,
+    )
 
 
 def _failed_payload(msg: str) -> bytes:
-    return cloudpickle.dumps(Payload(None, [], [], None, False, None, error=msg))
+    payload = Payload(skeleton=None, metas=[], plan=[], token=None, torn=False, tenure=None, error=msg)
+    return cloudpickle.dumps(payload)
 
 
 def _unpicklable_fields(skeleton: StateNode) -> str:
@@ -608,16 +620,14 @@ def _pack_objects(
         plan = transport.plan([flat.tensors[i] for i in layout.moving], comm)
         token = None if line.torn else uuid.uuid4().hex
         payload = Payload(
-            flat.skeleton,
-            layout.metas,
-            plan,
-            token,
-            line.torn,
-            src_tenure,
-            None,
-            None,
-            layout.digest,
-            layout.encoded(),
+            skeleton=flat.skeleton,
+            metas=layout.metas,
+            plan=plan,
+            token=token,
+            torn=line.torn,
+            tenure=src_tenure,
+            layout=layout.digest,
+            encoded=layout.encoded(),
         )
     except Exception as exc:
         msg = f"rank {src} could not flatten its state: {type(exc).__name__}: {exc}"

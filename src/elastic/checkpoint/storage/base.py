@@ -87,7 +87,7 @@ class Sink(abc.ABC):
         """Make everything written durable (fsync; an object store completes the upload)."""
 
     @abc.abstractmethod
-    def close(self, ok: bool) -> None:
+    def close(self, *, ok: bool) -> None:
         """Release the file; with `ok` False, after a failure (an upload is aborted)."""
 
     def __enter__(self) -> Sink:

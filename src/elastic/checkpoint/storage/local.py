@@ -96,7 +96,7 @@ class LocalFile(Sink):
     def sync(self) -> None:
         os.fsync(self._fd)
 
-    def close(self, ok: bool) -> None:
+    def close(self, *, ok: bool) -> None:
         os.close(self._fd)
 
 

@@ -69,8 +69,8 @@ _MANIFEST = "manifest.json"
 _UNREACHABLE = frozenset(
     {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionError", "ClientConnectorError"}
 )
-#: Words of a throttled or failing request that the backend's retries did not get through.
-_FAILING = ("slowdown", "slow down", "throttl", "503", "service unavailable", "500", "internal error")
+#: Words (lower case) of a throttled or failing request that the backend's retries did not get through.
+_FAILING = ("slowdown", "throttl", "503", "service unavailable", "500", "internal")
 
 
 _NO_SPACE = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -287,9 +287,9 @@ class FsspecStorage(Storage):
                     stale = _mtime(info) < started - FOREIGN_STALE_SECONDS
                 if not stale:
                     continue
-            self._clean_marker(root, marker, name.startswith(TMP_PREFIX))
+            self._clean_marker(root, marker, writer=name.startswith(TMP_PREFIX))
 
-    def _clean_marker(self, root: Any, marker: str, writer: bool) -> None:
+    def _clean_marker(self, root: Any, marker: str, *, writer: bool) -> None:
         try:
             target = self.fs.cat_file(self._p(marker)).decode()
         except FileNotFoundError:
@@ -376,19 +376,12 @@ class FsspecStorage(Storage):
                 f"{text}. Access denied: check the credentials (storage_options key=/secret=/token=, or the "
                 "environment and instance profile) and the bucket's permissions"
             )
-        if names & {
-            "EndpointConnectionError",
-            "ConnectTimeoutError",
-            "ConnectionError",
-            "ClientConnectorError",
-        }:
+        if names & _UNREACHABLE:
             return (
                 f"{text}. The storage endpoint cannot be reached: check the URL and the endpoint "
                 "(storage_options client_kwargs={'endpoint_url': ...}), and the network"
             )
-        if any(
-            k in lowered for k in ("slowdown", "throttl", "503", "service unavailable", "500", "internal")
-        ):
+        if any(k in lowered for k in _FAILING):
             return (
                 f"{text}. The store is throttling or failing requests (still failing after the backend's "
                 "retries): retry later, save less often, or raise the retries in storage_options "
@@ -444,8 +437,8 @@ class SpoolFile(LocalFile):
     def sync(self) -> None:
         self._storage.fs.put_file(self._local, self._storage._p(self._remote))
 
-    def close(self, ok: bool) -> None:
-        super().close(ok)
+    def close(self, *, ok: bool) -> None:
+        super().close(ok=ok)
         with suppress(OSError):
             os.unlink(self._local)
 
