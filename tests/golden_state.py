@@ -1,6 +1,6 @@
 """The state of the golden checkpoints (`tests/golden/`), built deterministically.
 
-`build()` makes the state that `tests/golden/make_golden.py` saved; `tests/test_golden.py` builds it again
+`build()` makes the state that `tests/golden/make_golden.py` saved; `tests/checkpoint/test_golden.py` builds it again
 to know every expected value, and `fresh()` builds the differently-valued state the checkpoints are loaded
 into. Every value is set from exact arithmetic (`torch.arange` scaled by powers of two, literal numbers), not
 from training, so the expectations do not depend on the torch version's kernels.

@@ -5,7 +5,7 @@ joins the next round when its generation is broken (a peer crashed, left or went
 says so, or once spuriously; it may announce, leave or finish. Each transition is ONE store operation of
 one participant (or a crash), so the search covers every interleaving of their operations. Heartbeats are
 an oracle: truthful (a crashed participant is dead) or, within a budget, wrong about a live participant
-(a hung or GIL-stalled one that looks dead). Used by tests/test_rendezvous.py.
+(a hung or GIL-stalled one that looks dead). Used by tests/recovery/test_rendezvous.py.
 """
 
 from __future__ import annotations

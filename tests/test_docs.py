@@ -104,13 +104,13 @@ def test_every_page_is_in_the_navigation() -> None:
 
 def test_the_tests_the_guarantees_name_exist() -> None:
     text = (DOCS / "guarantees.md").read_text()
-    tests = {p.stem: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
+    tests = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "tests").rglob("test_*.py")}
     for row in (line for line in text.splitlines() if line.startswith("| ")):
         current = None
-        for ref in re.findall(r"`((?:tests/\w+\.py)?(?:::\w+)?)`", row):
+        for ref in re.findall(r"`((?:tests/[\w/]+\.py)?(?:::\w+)?)`", row):
             file, _, fn = ref.partition("::")
             if file:
-                current = Path(file).stem
+                current = file
                 assert current in tests, f"guarantees.md names {file}, which does not exist"
             if fn:
                 assert current is not None, f"guarantees.md: {ref} without a file"

@@ -1,7 +1,7 @@
 """The round protocol of `elastic.run`: who is in the next generation, decided once, over a TCPStore.
 
 The protocol is written down, with its properties and their argument, in docs/rendezvous.md; a model of
-it is docs/rendezvous.pml, and tests/test_rendezvous.py drives `step` (the protocol's whole decision
+it is docs/rendezvous.pml, and tests/recovery/test_rendezvous.py drives `step` (the protocol's whole decision
 logic, one store operation per call) through every interleaving of a few participants.
 
 Keys, under ``elastic/<run_id>/`` in the store:
