@@ -37,7 +37,7 @@ from elastic.replication.transport import default as _transports
 from elastic.replication.transport.broadcast import BroadcastTransport
 from elastic.replication.transport.protocol import Transport
 from elastic.replication.transport.shm import SharedMemoryTransport
-from elastic.state.tree import TensorMeta
+from elastic.state.tensors import TensorMeta
 
 MiB = 2**20
 

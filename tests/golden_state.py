@@ -1,9 +1,10 @@
 """The state of the golden checkpoints (`tests/golden/`), built deterministically.
 
-`build()` makes the state that `tests/golden/make_golden.py` saved; `tests/checkpoint/test_golden.py` builds it again
-to know every expected value, and `fresh()` builds the differently-valued state the checkpoints are loaded
-into. Every value is set from exact arithmetic (`torch.arange` scaled by powers of two, literal numbers), not
-from training, so the expectations do not depend on the torch version's kernels.
+`build()` makes the state that `tests/golden/make_golden.py` saved; `tests/checkpoint/test_golden.py`
+builds it again to know every expected value, and `fresh()` builds the differently-valued state the
+checkpoints are loaded into. Every value is set from exact arithmetic (`torch.arange` scaled by powers of
+two, literal numbers), not from training, so the expectations do not depend on the torch version's
+kernels.
 
 The classes are imported by reference from this module (``golden_state.Point``), never pickled by value:
 a by-value pickle holds Python bytecode, which does not load in another Python version.

@@ -8,6 +8,7 @@ passing, or bump the format version with a migration (see make_golden.py).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -49,3 +50,10 @@ def test_plain_loads_untrusted() -> None:
 def test_golden_files_are_small() -> None:
     sizes = [f.stat().st_size for f in GOLDEN.rglob("*") if f.is_file()]
     assert len(sizes) >= 4 and sum(sizes) < 100 * 2**10
+
+
+def test_a_save_names_the_kinds_the_golden_manifests_name(tmp_path: Path) -> None:
+    path = elastic.save(golden_state.build(), tmp_path, keep=None)
+    fields = json.loads((path / "manifest.json").read_text())["fields"]
+    golden = json.loads((GOLDEN / "full" / "ckpt-000000001234" / "manifest.json").read_text())["fields"]
+    assert fields == golden and {f["kind"] for f in fields} >= {"module", "optimizer", "stateful", "tensor"}

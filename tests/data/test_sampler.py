@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 import elastic
-from elastic.state.tree import kind_of
+from elastic.state.nodes import kind_of
 
 
 class Stream(torch.utils.data.IterableDataset):

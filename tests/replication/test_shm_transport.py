@@ -22,7 +22,7 @@ from elastic.replication.comm import Comm
 from elastic.replication.transport.broadcast import BroadcastTransport, byte_view, plan_buckets
 from elastic.replication.transport.protocol import Transport
 from elastic.replication.transport.shm import SegmentRef, SharedMemoryTransport, ShmPlan
-from elastic.state.tree import TensorMeta
+from elastic.state.tensors import TensorMeta
 
 needs_memfd = pytest.mark.skipif(
     not (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")), reason="needs Linux memfd"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import elastic.replication.transport.broadcast as transport
 from dist_harness import run_on_ranks
 from elastic.replication.transport.broadcast import BroadcastTransport, Bucket, byte_view, plan_buckets
-from elastic.state.tree import TensorMeta
+from elastic.replication.transport.protocol import Transport
+from elastic.state.tensors import TensorMeta
 
 DTYPES = [
     torch.float32,
@@ -416,7 +417,7 @@ def test_transfer_on_two_ranks() -> None:
 def test_broadcast_transport_takes_its_sizes_as_arguments() -> None:
     default = BroadcastTransport()
     assert (default.bucket_bytes, default.direct_bytes, default.in_flight) == (16 * 2**20, 2 * 2**20, 2)
-    assert isinstance(default, transport.Transport)
+    assert isinstance(default, Transport)
     small = BroadcastTransport(bucket_bytes=64, direct_bytes=8, in_flight=3)
     assert (small.bucket_bytes, small.direct_bytes, small.in_flight) == (64, 8, 3)
     for bad in ({"bucket_bytes": 0}, {"in_flight": 0}, {"direct_bytes": -1}, {"bucket_bytes": 1.5}):

@@ -36,7 +36,7 @@ def _sync_all(rank: int, world: int, batches: list[tuple[Any, Any]]) -> dict[str
 def _sync_on(rank: int, batches: list[tuple[Any, Any]], transport: str) -> list[Any]:
     # tensors spanning buckets, many buckets, and (broadcasts) some direct broadcasts
     use_transport(transport, bucket_bytes=256, direct_bytes=64)
-    from elastic.state.tree import kind_of
+    from elastic.state.nodes import kind_of
 
     out = []
     for src_value, other in batches:
@@ -91,7 +91,7 @@ def test_strategy_covers_the_hard_cases() -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=SLOW_OK)
 @given(value=values, other=values)
 def test_random_states_survive_save_then_load(tmp_path_factory: Any, value: Any, other: Any) -> None:
-    from elastic.state.tree import kind_of
+    from elastic.state.nodes import kind_of
 
     root = tmp_path_factory.mktemp("ckpt")
     elastic.save(Box(step=1, value=value), root)

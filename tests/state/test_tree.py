@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Any
 
 import attrs
@@ -12,22 +13,27 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import elastic
-from elastic.state.tree import (
-    StateNode,
-    TensorSlot,
-    carriers,
-    compatible,
-    copy_state,
-    field_digests,
-    flatten,
-    kind_of,
-    path_str,
-    strict_schema,
-    tensor_index,
-)
+from elastic.state.apply import apply_fields, fill_aliases, receive_targets
+from elastic.state.nodes import StateNode, TensorSlot, Which, kind_of, path_str, walk
+from elastic.state.schema import compatible, schema_digests, strict_schema
+from elastic.state.tensors import carriers
+from elastic.state.tree import flatten, tensor_index
 from tree_values import same, values
 
 Point = collections.namedtuple("Point", "x y")
+
+
+def copy_state(src: Any, dst: Any, which: Which = "sync") -> list[bool]:
+    """Make `dst` hold `src`'s `which` fields as a sync would, without communication (in place where it
+    can). Returns which tensors were written in place."""
+    flat = flatten(src, which)
+    targets, in_place = receive_targets(dst, flat.metas, which, lambda m: torch.device(m.device_type))
+    with torch.no_grad(), torch.inference_mode(False):
+        for i in carriers(flat.metas):
+            targets[i].detach().copy_(flat.tensors[i])
+        fill_aliases(targets, flat.metas)
+        apply_fields(dst, flat.skeleton, targets, in_place)
+    return in_place
 
 
 class Counter:
@@ -128,22 +134,9 @@ def test_flatten_skeleton_and_paths() -> None:
         assert tuple(t.shape) == m.shape and t.dtype == m.dtype and m.nbytes == t.numel() * t.element_size()
     # The skeleton pickles small: tensors are slots, not data.
     cloudpickle.dumps(flat.skeleton)
-    assert not any(isinstance(v, torch.Tensor) for v in _leaves(flat.skeleton))
+    assert not any(isinstance(v, torch.Tensor) for _, v in walk(flat.skeleton))
     assert flat.skeleton.fields["step"] == 3
     assert flat.skeleton.fields["ema"] == TensorSlot(paths.index("ema"))
-
-
-def _leaves(node: Any) -> list[Any]:
-    out: list[Any] = []
-    for f in attrs.fields(type(node)) if attrs.has(type(node)) else []:
-        v = getattr(node, f.name)
-        if isinstance(v, dict):
-            for x in v.values():
-                out.extend(_leaves(x) if attrs.has(type(x)) else [x])
-        elif isinstance(v, tuple):
-            for x in v:
-                out.extend(_leaves(x) if attrs.has(type(x)) else [x])
-    return out
 
 
 def test_flatten_never_modifies_the_source() -> None:
@@ -211,19 +204,19 @@ def test_fresh_adam_receives_state_and_steps_like_the_source() -> None:
 
 def test_schema_digests() -> None:
     a, b = make(0, True), make(1, False)
-    qa, fa = field_digests(a)
-    qb, fb = field_digests(b)
+    qa, fa = schema_digests(a)
+    qb, fb = schema_digests(b)
     assert qa == qb
     # container contents, optimizer state and tensor shapes are not part of the schema
     assert all(compatible(x, y) for x, y in zip(fa, fb))
     # module layouts are
     b.model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
-    _, fb2 = field_digests(b)
+    _, fb2 = schema_digests(b)
     diff = [x[0] for x, y in zip(fa, fb2) if not compatible(x, y)]
     assert diff == ["model"]
     # None is compatible with the kinds of plain values, not with a module
     b.ema, b.model = None, None
-    _, fb3 = field_digests(b)
+    _, fb3 = schema_digests(b)
     assert [x[0] for x, y in zip(fa, fb3) if not compatible(x, y)] == ["model"]
 
 
@@ -246,7 +239,7 @@ def test_plain_kinds_are_not_in_the_schema_structured_ones_are() -> None:
 
     def digests(**values: Any) -> dict[str, str]:
         defaults = {"model": model, "opt": sgd, "sched": step_lr, "inner": Inner(0, torch.zeros(2))}
-        return {n: d for n, _, d in field_digests(Kinds(**{**defaults, **values}))[1]}
+        return {n: d for n, _, d in schema_digests(Kinds(**{**defaults, **values}))[1]}
 
     base = digests()
     # a plain field takes the source's value whatever its kind: a float that became a 0-d tensor, None,
@@ -261,7 +254,7 @@ def test_plain_kinds_are_not_in_the_schema_structured_ones_are() -> None:
         assert digests(best=best) == base, best
     assert digests(best=torch.Generator(), step=torch.tensor(3)) == base
     assert digests(best=lambda: 0, inner=Inner(torch.tensor(0), [1.0])) == base
-    assert dict((n, k) for n, k, _ in field_digests(Kinds(best=torch.tensor(0.5)))[1])["best"] == "tensor"
+    assert dict((n, k) for n, k, _ in schema_digests(Kinds(best=torch.tensor(0.5)))[1])["best"] == "tensor"
     # structured fields keep their kind, class and layout in the digest
     for field, value in [
         ("model", None),
@@ -408,7 +401,7 @@ def test_optimizer_class_and_param_groups_are_in_the_schema() -> None:
         torch.manual_seed(0)
         s = make(0, False)
         s.opt = opt_of(s.model)
-        return dict((n, d) for n, _, d in field_digests(s)[1])
+        return dict((n, d) for n, _, d in schema_digests(s)[1])
 
     adam = digests_with(lambda m: torch.optim.Adam(m.parameters(), lr=0.1))
     adam_other_lr = digests_with(lambda m: torch.optim.Adam(m.parameters(), lr=0.5))
@@ -427,12 +420,12 @@ def test_module_names_are_canonical_without_wrapper_prefixes() -> None:
     compiled = make(0, False)
     compiled.model = torch.compile(compiled.model)  # an OptimizedModule: `_orig_mod.` prefixes
     assert next(iter(compiled.model.state_dict())).startswith("_orig_mod.")
-    assert field_digests(plain) == field_digests(compiled)
+    assert schema_digests(plain) == schema_digests(compiled)
     assert [m.path for m in flatten(compiled).metas] == [m.path for m in flatten(plain).metas]
     # a compiled submodule keeps its place, without the prefix
     nested = make(0, False)
     nested.model[0] = torch.compile(nested.model[0])
-    assert field_digests(nested) == field_digests(plain)
+    assert schema_digests(nested) == schema_digests(plain)
     with torch.no_grad():
         plain.model[0].weight.fill_(3.0)
     copy_state(plain, nested)
@@ -450,16 +443,16 @@ def test_samplers_and_tensor_subclasses_are_rejected_before_anything_moves() -> 
 
     s = Box(0, DistributedSampler(list(range(8)), num_replicas=2, rank=1))
     with pytest.raises(TypeError, match=r"field value holds a torch DistributedSampler.*elastic\.local\(\)"):
-        field_digests(s)
+        schema_digests(s)
     with pytest.raises(TypeError, match=r"elastic\.ElasticSampler"):
         flatten(Box(0, {"nested": s.value}))
     sub = torch.ones(2).as_subclass(_Sub)
     with pytest.raises(TypeError, match=r"tensor value is a .*_Sub, a tensor subclass"):
-        field_digests(Box(0, sub))
+        schema_digests(Box(0, sub))
     m = torch.nn.Linear(2, 2)
     m.register_buffer("odd", torch.zeros(2).as_subclass(_Sub))
     with pytest.raises(TypeError, match=r"tensor value\.odd is a .*tensor subclass"):
-        field_digests(Box(0, m))
+        schema_digests(Box(0, m))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -477,8 +470,9 @@ class Box:
 @given(src_value=values, dst_value=values)
 def test_round_trip_property(src_value: Any, dst_value: Any) -> None:
     src, dst = Box(1, src_value), Box(0, dst_value)
+    before = copy.deepcopy(src_value)  # tensors cloned: what the source held before the copy
     # whatever the kinds on either side, the schemas agree: the receiver takes the source's value
-    assert all(compatible(a, b) for a, b in zip(field_digests(src)[1], field_digests(dst)[1]))
+    assert all(compatible(a, b) for a, b in zip(schema_digests(src)[1], schema_digests(dst)[1]))
     copy_state(src, dst)
     assert same(src.value, dst.value)
-    assert same(src.value, src_value)  # the source is untouched
+    assert same(src.value, before)  # the source is untouched

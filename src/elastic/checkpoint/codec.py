@@ -3,7 +3,7 @@
 A checkpoint directory holds ``state.pt`` (tensors and plain data; loads with ``torch.load(weights_only=True,
 mmap=True)``), ``objects.pkl`` (cloudpickle, only when some leaf is not plain data) and ``manifest.json``.
 
-The skeleton of `_tree.flatten` is encoded as nested dicts, lists and plain leaves. Every node that is not a
+The skeleton of `tree.flatten` is encoded as nested dicts, lists and plain leaves. Every node that is not a
 plain leaf becomes a dict with a ``"$"`` tag (the encoder never emits any other dict), so decoding is
 unambiguous: ``{"$": "t", "i": 3}`` is tensor 3, ``{"$": "o", "i": 0}`` is object 0 of ``objects.pkl``,
 ``{"$": "state" | "stateful" | "dict" | "odict" | "list" | "tuple" | "ntuple" | "set" | "fset", ...}`` are
@@ -21,17 +21,18 @@ import attrs
 import cloudpickle
 import torch
 
-from elastic.state.tree import (
-    RNG_KINDS,
+from elastic.state.nodes import (
+    STATE_DICT,
     ContainerNode,
+    Kind,
     RestoreNode,
     StatefulNode,
     StateNode,
     TensorSlot,
-    as_nodes,
-    from_nodes,
     path_str,
+    walk,
 )
+from elastic.state.rng import RNG_KINDS
 
 __all__ = [
     "CONTENT",
@@ -42,7 +43,6 @@ __all__ = [
     "FormatError",
     "decode_skeleton",
     "encode_skeleton",
-    "objects_in",
     "pickle_objects",
     "slot_paths",
 ]
@@ -117,12 +117,12 @@ def encode_skeleton(skeleton: StateNode) -> Encoded:
                 "q": node.qualname,
                 "f": {n: enc(c, (*path, n)) for n, c in node.fields.items()},
             }
-        if isinstance(node, StatefulNode):
-            return {"$": "stateful", "k": node.kind, "v": enc(node.inner, path)}
+        if isinstance(node, StatefulNode):  # the kind as plain text: state.pt loads with weights_only
+            return {"$": "stateful", "k": node.kind.value, "v": enc(node.inner, path)}
         if isinstance(node, RestoreNode):  # a generator's state is plain data: no pickle needed
-            return {"$": "rng", "k": node.kind, "d": node.device, "v": enc(as_nodes(node.state), path)}
+            return {"$": "rng", "k": node.protocol, "d": node.device, "v": enc(_as_nodes(node.state), path)}
         if isinstance(node, ContainerNode):
-            if node.kind == "dict":
+            if node.kind == Kind.DICT:
                 tag = "dict" if node.type is dict else "odict"
                 return {
                     "$": tag,
@@ -130,7 +130,7 @@ def encode_skeleton(skeleton: StateNode) -> Encoded:
                     "v": [enc(c, (*path, k)) for k, c in zip(node.keys, node.children)],
                 }
             values = [enc(c, (*path, i)) for i, c in enumerate(node.children)]
-            if node.kind == "list":
+            if node.kind == Kind.LIST:
                 return {"$": "list", "v": values}
             if node.type is tuple:
                 return {"$": "tuple", "v": values}
@@ -189,29 +189,32 @@ def decode_skeleton(plain: Any, n_tensors: int, objects: Callable[[int], Any]) -
             return StateNode(qualname=q, fields={str(n): dec(c) for n, c in f.items()})
         if tag == "stateful":
             kind: Any = node.get("k")
-            need(kind in ("module", "optimizer", "stateful"), f"unknown stateful kind {kind!r}")
-            return StatefulNode(kind=kind, inner=dec(node.get("v")))
+            need(type(kind) is str and kind in STATE_DICT, f"unknown stateful kind {kind!r}")
+            return StatefulNode(kind=Kind(kind), inner=dec(node.get("v")))
         if tag == "rng":
             rng: Any = node.get("k")
             device: Any = node.get("d")
-            need(rng in RNG_KINDS and type(device) is str, f"unknown generator kind {rng!r}")
-            return RestoreNode(kind=rng, state=from_nodes(dec(node.get("v"))), device=device)
+            need(
+                type(rng) is str and rng in RNG_KINDS and type(device) is str,
+                f"unknown generator kind {rng!r}",
+            )
+            return RestoreNode(protocol=rng, state=_from_nodes(dec(node.get("v"))), device=device)
         if tag in ("dict", "odict"):
             keys: Any = node.get("k")
             values = items(node)
             need(type(keys) is list and len(keys) == len(values), "malformed dict node")
             tp = dict if tag == "dict" else OrderedDict
-            return ContainerNode("dict", tp, tuple(key(k) for k in keys), tuple(dec(c) for c in values))
+            return ContainerNode(Kind.DICT, tp, tuple(key(k) for k in keys), tuple(dec(c) for c in values))
         if tag == "list":
-            return ContainerNode("list", list, (), tuple(dec(c) for c in items(node)))
+            return ContainerNode(Kind.LIST, list, (), tuple(dec(c) for c in items(node)))
         if tag == "tuple":
-            return ContainerNode("tuple", tuple, (), tuple(dec(c) for c in items(node)))
+            return ContainerNode(Kind.TUPLE, tuple, (), tuple(dec(c) for c in items(node)))
         if tag == "ntuple":
             t: Any = node.get("type")
             need(type(t) is dict and t.get("$") == "o", "malformed namedtuple node")
             tp = objects(index(t, None, "object"))
             need(isinstance(tp, type) and issubclass(tp, tuple), f"namedtuple type is {tp!r}")
-            return ContainerNode("tuple", tp, (), tuple(dec(c) for c in items(node)))
+            return ContainerNode(Kind.TUPLE, tp, (), tuple(dec(c) for c in items(node)))
         if tag in ("set", "fset"):
             values = items(node)
             need(all(_is_plain(x) for x in values), "set of non-plain values")
@@ -224,48 +227,31 @@ def decode_skeleton(plain: Any, n_tensors: int, objects: Callable[[int], Any]) -
     return root
 
 
-def objects_in(plain: Any) -> set[int]:
-    """The object indices a plain skeleton refers to."""
-    found: set[int] = set()
-
-    def walk(node: Any) -> None:
-        if type(node) is dict:
-            if node.get("$") == "o" and type(node.get("i")) is int:
-                found.add(node["i"])
-            for v in node.values():
-                walk(v)
-        elif type(node) is list:
-            for v in node:
-                walk(v)
-
-    walk(plain)
-    return found
-
-
 def slot_paths(node: Any, path: tuple[Any, ...] = ()) -> dict[int, tuple[Any, ...]]:
-    """The state path of every tensor slot below `node`, as `_tree.flatten` names them."""
-    out: dict[int, tuple[Any, ...]] = {}
+    """The state path of every tensor slot below `node`, as `elastic.state.tree.flatten` names them."""
+    return {n.index: p for p, n in walk(node, path) if isinstance(n, TensorSlot)}
 
-    def walk(n: Any, p: tuple[Any, ...]) -> None:
-        if isinstance(n, TensorSlot):
-            out[n.index] = p
-        elif isinstance(n, StateNode):
-            for name, child in n.fields.items():
-                walk(child, (*p, name))
-        elif isinstance(n, StatefulNode):
-            walk(n.inner, p)
-        elif isinstance(n, RestoreNode):
-            walk(n.state, (*p, "state"))  # a torch.Generator's state, as `_tree.flatten` names it
-        elif isinstance(n, ContainerNode):
-            if n.kind == "dict":
-                for k, child in zip(n.keys, n.children):
-                    walk(child, (*p, k))
-            else:
-                for i, child in enumerate(n.children):
-                    walk(child, (*p, i))
 
-    walk(node, path)
-    return out
+def _as_nodes(value: Any) -> Any:
+    """Plain data (a generator's state: nested tuples, lists, dicts of numbers) as skeleton containers, so
+    the codec stores it as it stores any container."""
+    if type(value) is tuple or type(value) is list:
+        kind = Kind.TUPLE if type(value) is tuple else Kind.LIST
+        return ContainerNode(kind, type(value), (), tuple(_as_nodes(v) for v in value))
+    if type(value) is dict:
+        keys = tuple(value)
+        return ContainerNode(Kind.DICT, dict, keys, tuple(_as_nodes(value[k]) for k in keys))
+    return value
+
+
+def _from_nodes(node: Any) -> Any:
+    """The inverse of `_as_nodes`."""
+    if isinstance(node, ContainerNode):
+        items = [_from_nodes(c) for c in node.children]
+        if node.kind == Kind.DICT:
+            return dict(zip(node.keys, items))
+        return tuple(items) if node.kind == Kind.TUPLE else items
+    return node
 
 
 def pickle_objects(encoded: Encoded) -> bytes:

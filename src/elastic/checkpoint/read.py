@@ -35,23 +35,22 @@ from elastic.checkpoint.content import TREE_KEY, hash_file
 from elastic.checkpoint.manifest import InvalidCheckpoint, skipped, validate
 from elastic.checkpoint.options import LoadOptions
 from elastic.checkpoint.storage.base import Storage
+from elastic.state.apply import apply_fields, fill_aliases, receive_targets
 from elastic.state.config import saved_fields
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.tree import (
+from elastic.state.nodes import (
+    STRUCTURED,
     ContainerNode,
-    RestoreNode,
+    Kind,
     StatefulNode,
     StateNode,
     TensorSlot,
-    apply_fields,
-    canonical_state_dict,
-    carriers,
-    fill_aliases,
     kind_of,
-    metas_of,
+    node_kind,
     path_str,
-    receive_targets,
 )
+from elastic.state.statedict import canonical_state_dict
+from elastic.state.tensors import carriers, metas_of
 
 __all__ = ["Refused", "Status", "Verification", "read", "read_into"]
 
@@ -282,25 +281,8 @@ def _check_fields(directory: Path, live: list[str], saved: list[str], prefix: st
         log.info("load: %s lacks fields %s; their current values are kept", directory, ", ".join(missing))
 
 
-_STATEFUL = frozenset({"module", "optimizer", "stateful", "state"})
-
-
-def _saved_kind(node: Any) -> str:
-    if isinstance(node, TensorSlot):
-        return "tensor"
-    if isinstance(node, StatefulNode):
-        return node.kind
-    if isinstance(node, StateNode):
-        return "state"
-    if isinstance(node, RestoreNode):
-        return "rng"
-    if isinstance(node, ContainerNode):
-        return node.kind
-    return "none" if node is None else "object"
-
-
-def _a(kind: str) -> str:
-    return "None" if kind == "none" else f"a {kind}"
+def _a(kind: Kind) -> str:
+    return "None" if kind == Kind.NONE else f"a {kind}"
 
 
 def _reconcile(
@@ -323,8 +305,8 @@ def _reconcile(
             continue
         current = getattr(state, name)
         where = path_str((*path, name))
-        have, want = kind_of(current), _saved_kind(child)
-        if have != want and (have in _STATEFUL or want in _STATEFUL):  # plain values of any kind load
+        have, want = kind_of(current), node_kind(child)
+        if have != want and (have in STRUCTURED or want in STRUCTURED):  # plain values of any kind load
             msg = (
                 f"{directory}: field {where} holds {_a(want)} in the checkpoint but {_a(have)} in this "
                 "state; build the field as the saved state did (a module, optimizer, scheduler or nested "
@@ -333,7 +315,7 @@ def _reconcile(
             raise Refused("mismatch", msg)
         if isinstance(child, StateNode):
             child = _reconcile(child, current, (*path, name), tensors, directory, strict=strict)
-        elif isinstance(child, StatefulNode) and child.kind == "module":
+        elif isinstance(child, StatefulNode) and child.kind == Kind.MODULE:
             _check_module(child, current, where, tensors, directory)
         fields[name] = child
     return StateNode(qualname=type(state).__qualname__, fields=fields)
@@ -343,7 +325,7 @@ def _check_module(
     node: StatefulNode, module: Any, where: str, tensors: list[torch.Tensor], directory: Path
 ) -> None:
     inner = node.inner
-    if not isinstance(inner, ContainerNode) or inner.kind != "dict":
+    if not isinstance(inner, ContainerNode) or inner.kind != Kind.DICT:
         return
     saved = {
         k: tuple(tensors[c.index].shape)

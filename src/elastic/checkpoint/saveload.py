@@ -47,12 +47,10 @@ from elastic.checkpoint.options import LoadOptions, SaveOptions, Scope
 from elastic.checkpoint.storage.base import Storage
 from elastic.replication.collective import Collective
 from elastic.replication.sync import sync_in
-from elastic.state.config import StateConfig, attached, config_of, is_elastic_state, saved_fields
+from elastic.state.config import StateConfig, attached, config_of, saved_fields
 from elastic.state.lineage import lineage
+from elastic.state.nodes import STRUCTURED, Kind, kind_of
 from elastic.state.tenure import Incomparable, as_saveable, check_saveable, current, elect, exceeds, greater
-from elastic.state.tree import (
-    kind_of,
-)
 
 __all__ = [
     "LoadReport",
@@ -757,9 +755,9 @@ def state_dict_method(self: Any) -> dict[str, Any]:
     for attribute in saved_fields(type(self)):
         value = getattr(self, attribute.name)
         kind = kind_of(value)
-        if kind in ("module", "optimizer", "stateful", "state"):
+        if kind in STRUCTURED:
             out[attribute.name] = value.state_dict()
-            if kind == "optimizer":
+            if kind == Kind.OPTIMIZER:
                 with_state[attribute.name] = len(value.state)
         else:
             out[attribute.name] = value
@@ -787,7 +785,12 @@ def load_state_dict_method(self: Any, state_dict: dict[str, Any]) -> None:
         new = state_dict[name]
         current = getattr(self, name)
         kind = kind_of(current)
-        if kind == "optimizer" and counts.get(name, 0) and not current.state and not (new or {}).get("state"):
+        if (
+            kind == Kind.OPTIMIZER
+            and counts.get(name, 0)
+            and not current.state
+            and not (new or {}).get("state")
+        ):
             msg = (
                 f"load_state_dict(): optimizer field {name!r} has no state yet, so none of the saved state "
                 f"({counts[name]} parameters) could be loaded into it (torch.distributed.checkpoint only "
@@ -795,10 +798,10 @@ def load_state_dict_method(self: Any, state_dict: dict[str, Any]) -> None:
                 "elastic.load"
             )
             raise CheckpointMismatchError(msg) from None
-        if kind in ("module", "optimizer", "stateful") or is_elastic_state(current):
+        if kind in STRUCTURED:
             current.load_state_dict(new)
         elif (
-            kind == "tensor"
+            kind == Kind.TENSOR
             and isinstance(new, torch.Tensor)
             and new.shape == current.shape
             and new.dtype == current.dtype

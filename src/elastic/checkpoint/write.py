@@ -44,16 +44,9 @@ from elastic.checkpoint.manifest import (
 from elastic.checkpoint.options import SaveOptions
 from elastic.replication.comm import fault_point
 from elastic.state.config import saved_fields
-from elastic.state.tree import (
-    TensorMeta,
-    carriers,
-    flatten,
-    kind_of,
-    staged,
-    staging_buffer,
-    staging_fits,
-    to_save,
-)
+from elastic.state.nodes import kind_of
+from elastic.state.tensors import TensorMeta, carriers, staged, staging_buffer, staging_fits
+from elastic.state.tree import flatten, to_save
 
 __all__ = ["Job", "Outcome", "explain", "prepare", "run_job", "write"]
 

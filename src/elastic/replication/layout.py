@@ -22,7 +22,8 @@ import attrs
 import cloudpickle
 
 from elastic._util.weakmap import IdentityWeakMap
-from elastic.state.tree import Flat, TensorMeta, carriers
+from elastic.state.tensors import TensorMeta, carriers
+from elastic.state.tree import Flat
 
 __all__ = ["Layout", "decode_metas", "encode_metas", "layout_of"]
 

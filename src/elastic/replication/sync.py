@@ -24,24 +24,14 @@ from elastic.replication.comm import Comm, fault_point
 from elastic.replication.layout import Layout, decode_metas, layout_of
 from elastic.replication.transport.default import default_transport
 from elastic.replication.transport.protocol import Transport
+from elastic.state.apply import apply_fields, fill_aliases, receive_targets
 from elastic.state.config import StateConfig, attached, config_of
 from elastic.state.lineage import Lineage, lineage, set_lineage
+from elastic.state.nodes import NODE_TYPES, PLAIN, Kind, StateNode
+from elastic.state.schema import compatible, scan_schema, schema_digests, strict_schema
+from elastic.state.tensors import TensorMeta, carriers
 from elastic.state.tenure import current, elect
-from elastic.state.tree import (
-    PLAIN,
-    Flat,
-    StateNode,
-    TensorMeta,
-    apply_fields,
-    carriers,
-    compatible,
-    fill_aliases,
-    flatten,
-    receive_targets,
-    scan_schema,
-    schema_digests,
-    strict_schema,
-)
+from elastic.state.tree import Flat, flatten
 
 __all__ = [
     "SyncReport",
@@ -196,27 +186,28 @@ def _check_schemas(group: Collective, records: Sequence[Record], state: Any, op:
 
 
 def _describe(schema: Any) -> str:
-    if schema[0] == "module":
+    kind = schema[0]
+    if kind == Kind.MODULE:
         return f"module with {len(schema[1])} tensors"
-    if schema[0] == "state":
+    if kind == Kind.STATE:
         return f"nested state {schema[1][0]}"
-    if schema[0] == "stateful":
+    if kind == Kind.STATEFUL:
         return f"stateful {schema[1]}"
-    if schema[0] == "optimizer":
+    if kind == Kind.OPTIMIZER:
         groups = ", ".join(f"{n} params with {'/'.join(h)}" for n, h in schema[2])
         return f"{schema[1]} optimizer with {len(schema[2])} param group(s) [{groups}]"
-    if schema[0] == "rng":
+    if kind == Kind.RNG:
         return f"{schema[1]} generator"
-    return str(schema[0])
+    return str(kind)
 
 
 #: The fix for a structured field that differs only within its kind.
-_FIXES = {
-    "module": "construct the model identically everywhere (sizes from the config, not from the rank)",
-    "optimizer": "build the optimizer with the same class and param groups on every rank",
-    "stateful": "build the scheduler, scaler, sampler or other state_dict() object of each field with the "
+_FIXES: dict[str, str] = {
+    Kind.MODULE: "construct the model identically everywhere (sizes from the config, not from the rank)",
+    Kind.OPTIMIZER: "build the optimizer with the same class and param groups on every rank",
+    Kind.STATEFUL: "build the scheduler, scaler, sampler or other state_dict() object of each field with the "
     "same class on every rank",
-    "state": "build each nested state of the same class, with the same structured fields, on every rank",
+    Kind.STATE: "build each nested state of the same class, with the same structured fields, on every rank",
 }
 #: The fix for a field that holds a structured value on some ranks and another kind of value on others.
 _KIND_FIX = (
@@ -254,7 +245,7 @@ def _mismatch_message(full: Sequence[Any], op: str) -> str:
             fix = _FIXES[kinds.pop()] if len(kinds) == 1 else _KIND_FIX
         if fix not in fixes:
             fixes.append(fix)
-        if all(sch is not None and sch[0] == "module" for sch in per_rank):
+        if all(sch is not None and sch[0] == Kind.MODULE for sch in per_rank):
             lines.append(f"  field {name!r}: " + _module_diff([sch[1] for sch in per_rank]))
             continue
         desc = "; ".join(
@@ -381,14 +372,9 @@ def _unpicklable_fields(skeleton: StateNode) -> str:
 
 
 def _find_unpicklable(node: Any) -> Any:
-    children: list[Any] = []
-    if isinstance(node, StateNode):
-        children = list(node.fields.values())
-    elif hasattr(node, "children"):
-        children = list(node.children)
-    elif hasattr(node, "inner"):
-        children = [node.inner]
-    for child in children:
+    """The deepest node or leaf below `node` that cannot be pickled (`node` itself when none below is)."""
+    branches = node.branches(()) if type(node) in NODE_TYPES else ()
+    for _, child in branches:
         try:
             cloudpickle.dumps(child)
         except Exception:

@@ -20,15 +20,16 @@ from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
 from elastic.replication.collective import Collective
 from elastic.state.config import config_of
-from elastic.state.tree import (
+from elastic.state.nodes import (
     ContainerNode,
+    Kind,
     RestoreNode,
     StatefulNode,
     StateNode,
     TensorSlot,
-    flatten,
     path_str,
 )
+from elastic.state.tree import flatten
 
 __all__ = ["digests", "verify"]
 
@@ -76,16 +77,16 @@ def _feed(h: Any, node: Any, seen: dict[int, tuple[int, Any]] | None = None) -> 
             _feed(h, child, seen)
         h.update(b"}")
     elif tp is StatefulNode:
-        h.update(f"M{node.kind}(".encode())
+        h.update(f"M{node.kind.value}(".encode())
         _feed(h, node.inner, seen)
         h.update(b")")
     elif tp is RestoreNode:
-        h.update(f"R{node.kind}(".encode())
+        h.update(f"R{node.protocol}(".encode())
         _feed(h, node.state, seen)
         h.update(b")")
     elif tp is ContainerNode:
-        h.update(f"C{node.kind}{node.type.__module__}.{node.type.__qualname__}[".encode())
-        if node.kind == "dict":
+        h.update(f"C{node.kind.value}{node.type.__module__}.{node.type.__qualname__}[".encode())
+        if node.kind == Kind.DICT:
             _feed_items(h, zip(node.keys, node.children), node.type is dict, seen)
         else:
             for child in node.children:

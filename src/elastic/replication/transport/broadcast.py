@@ -41,7 +41,7 @@ import torch.distributed as dist
 from elastic._util.threads import one_torch_thread
 from elastic.replication.comm import Comm, fault_point
 from elastic.replication.transport.protocol import OnError
-from elastic.state.tree import TensorMeta
+from elastic.state.tensors import TensorMeta
 
 __all__ = [
     "BUCKET_BYTES",

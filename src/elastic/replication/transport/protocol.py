@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from elastic.replication.comm import Comm
-from elastic.state.tree import TensorMeta
+from elastic.state.tensors import TensorMeta
 
 __all__ = ["OnError", "Transport"]
 

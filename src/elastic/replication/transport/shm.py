@@ -58,7 +58,7 @@ from elastic.replication.transport.broadcast import (
     kept_plan,
 )
 from elastic.replication.transport.protocol import Transport
-from elastic.state.tree import TensorMeta
+from elastic.state.tensors import TensorMeta
 
 __all__ = [
     "MIN_BYTES",
