@@ -141,3 +141,15 @@ def test_mkdocstrings_sees_every_public_name_as_python_does() -> None:
             f"griffe sees elastic.{name} as a {member.kind.value}, Python as a {expected}: a submodule of "
             "that name shadows it in the API reference; rename the submodule"
         )
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    text = (DOCS / "architecture.md").read_text()
+    src = ROOT / "src"
+    modules = [
+        p for p in (src / "elastic").rglob("*.py") if p.name != "__init__.py" or p.parent == src / "elastic"
+    ]
+    missing = [
+        p.relative_to(src).as_posix() for p in modules if f"`{p.relative_to(src).as_posix()}`" not in text
+    ]
+    assert missing == [], "docs/architecture.md: add a line for each new module"
