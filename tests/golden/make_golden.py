@@ -4,7 +4,8 @@ The golden checkpoints prove that a checkpoint written by an earlier release sti
 `tests/checkpoint/test_golden.py` loads them into fresh states and checks every value against
 `golden_state.build()`.
 They are committed and never regenerated for an existing format version. A change to the format must keep
-loading them, or bump the format version (`_manifest.FORMAT_VERSION` or `_ckpt_codec.CONTENT_VERSION`) with
+loading them, or bump the format version (`checkpoint.manifest.FORMAT_VERSION` or
+`checkpoint.codec.CONTENT_VERSION`) with
 a migration, and then add a directory for the new version with this script (keeping the old ones).
 
 - ``full/``: every field, including two objects (a `golden_state.Point` and a `fractions.Fraction`), so it

@@ -613,7 +613,8 @@ def test_a_receiver_failing_to_decode_or_apply_fails_every_rank_promptly() -> No
 
 
 # -----------------------------------------------------------------------------------------------------------
-# Layouts kept between syncs (`_layout`, the transport's kept plans): every change to the tensors is seen.
+# Layouts kept between syncs (`elastic.replication.layout`, the transport's kept plans): every change to
+# the tensors is seen.
 
 
 @elastic.elastic_state(tenure="step")

@@ -7,7 +7,8 @@ in parallel: writing hashes the pieces of each buffer on helper threads while th
 it, and reading hashes them in parallel over a memory map (where the storage maps files; otherwise while
 streaming), so verification costs one pass over the bytes spread over the cores. Where the storage can,
 it starts writing back what is already written (Linux `sync_file_range`), so the final `fsync` finds little
-left to do. Files go to and come from a `_storage.Storage`; this module never touches the filesystem.
+left to do. Files go to and come from a `Storage` (`elastic.checkpoint.storage.base`); this module never
+touches the filesystem.
 """
 
 from __future__ import annotations

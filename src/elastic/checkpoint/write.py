@@ -3,7 +3,8 @@ retention policy.
 
 `prepare` runs on the caller's thread (flatten, encode, pickle the objects, and for async saves copy the
 tensors into a reused CPU staging area), so that `write` can run on a background thread while training goes
-on. `write` never leaves a partial checkpoint visible: the storage (`_storage`) publishes it atomically
+on. `write` never leaves a partial checkpoint visible: the storage (`elastic.checkpoint.storage`) publishes
+it atomically
 (locally: a hidden temporary directory renamed into place), and a writer killed at any point leaves only
 what the next save removes once its writer is gone.
 """

@@ -702,7 +702,7 @@ def _stable_order() -> int | None:
 
 def _participant_id() -> str:
     """``<order>.<host>-[slot<k>-]<pid>-<random>``: the order (`_stable_order`, ``x`` when none) ranks the
-    workers of a generation (`_rendezvous.ranked`)."""
+    workers of a generation (`elastic.recovery.rendezvous.ranked`)."""
     order = _stable_order()
     slot = os.environ.get("ELASTIC_SLOT")
     where = f"slot{slot}-" if slot is not None else ""

@@ -1,6 +1,7 @@
 """What a sync derives from a state's tensors, kept while they keep their layout.
 
-Every sync walks the state (`_tree.flatten`): that is how it finds the tensors, and a sync must see a
+Every sync walks the state (`elastic.state.tree.flatten`): that is how it finds the tensors, and a sync
+must see a
 replaced parameter or a new optimizer state at once. What it then derives from those tensors (their
 metadata with the aliases among them, a digest of that metadata, the metadata encoded for the payload)
 depends only on `Flat.signature()`: where each tensor sits, its shape, strides, dtype, device and

@@ -550,7 +550,8 @@ def _transfer(
     """Objects, then tensors, then commit: every rank holds the source's state, or every rank raises.
 
     One walk of the state (with what the election took from the modules, `sds`) gives the source its
-    tensors and a receiver its in-place targets; its layout (`_layout`) is kept between syncs. Tensors
+    tensors and a receiver its in-place targets; its layout (`elastic.replication.layout`) is kept between
+    syncs. Tensors
     that share storage with another (tied weights, views) travel once, inside their carrier, and are
     rebuilt as views on the receivers."""
     comm = group.comm
