@@ -67,7 +67,7 @@ def make_state() -> TrainState:
 def fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for t in model.state_dict().values():
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(bytes(t.detach().cpu().flatten().view(torch.uint8).tolist()))  # no NumPy needed
     return digest.hexdigest()[:8]
 
 
