@@ -1,4 +1,4 @@
-"""Two workers start with different training states; `elastic.sync` elects the most tenured and gives it
+"""Two workers start with different training states; `state.sync()` elects the most tenured and gives it
 to both. Run: python examples/quickstart.py"""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import elastic
 
 @elastic.elastic_state(tenure=lambda s: s.step)
 @attrs.define
-class TrainState:
+class TrainState(elastic.StateMethods):  # the base lets mypy and pyright see state.sync() and the rest
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: int = 0
@@ -38,7 +38,7 @@ def worker(rank: int, world_size: int, port: int) -> None:
         state.step += 1
         state.losses.append(round(loss.item(), 4))
     print(f"[worker {rank}] before sync: step={state.step} bias={model.bias.item():+.4f}", flush=True)
-    report = elastic.sync(state)
+    report = state.sync()  # the same as elastic.sync(state)
     print(
         f"[worker {rank}] elected rank {report.src} (tenure {report.tenure}); after sync: step={state.step} "
         f"bias={model.bias.item():+.4f} losses={state.losses} ({report.tensor_bytes} tensor bytes moved)",

@@ -26,7 +26,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import elastic
 
@@ -45,24 +45,29 @@ class TrainState:
     sampler: Any = None  # the place for the data's progress (an elastic.ElasticSampler), synced like the rest
 
 
+class Synthetic(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """`DATA` samples: an input generated from its index, its target by a fixed linear map."""
+
+    w = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return DATA
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(IN, generator=torch.Generator().manual_seed(i))
+        return x, x @ self.w
+
+
 def make_state() -> TrainState:
     model = torch.nn.Sequential(torch.nn.Linear(IN, 64), torch.nn.Tanh(), torch.nn.Linear(64, OUT))
-    sampler = elastic.ElasticSampler(range(DATA), batch_size=BATCH)  # every sample once, whatever the world
+    sampler = elastic.ElasticSampler(Synthetic(), batch_size=BATCH)  # every sample once, whatever the world
     return TrainState(model, torch.optim.Adam(model.parameters(), lr=5e-3), sampler=sampler)
-
-
-def batch(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples `indices` of a synthetic dataset: inputs generated from their index, a fixed linear map."""
-    x = torch.stack([torch.randn(IN, generator=torch.Generator().manual_seed(i)) for i in indices])
-    target = torch.Generator().manual_seed(0)
-    w = torch.randn(IN, OUT, generator=target)
-    return x, x @ w
 
 
 def fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for t in model.state_dict().values():
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(bytes(t.detach().cpu().flatten().view(torch.uint8).tolist()))  # no NumPy needed
     return digest.hexdigest()[:8]
 
 
@@ -80,7 +85,7 @@ def train(state: TrainState, world: elastic.World, steps: int, kill_at: int) -> 
         fingerprint(state.model),
     )
     ddp = DistributedDataParallel(state.model)  # bound to this generation's group: built in fn
-    data = iter(DataLoader(range(DATA), batch_size=BATCH, sampler=state.sampler))  # this world's share
+    data = iter(DataLoader(Synthetic(), batch_size=BATCH, sampler=state.sampler))  # this world's share
     # Train to `steps`, and then on until the replacement is back and 10 steps were done with it. `ran` is
     # the same on every rank: all members start a generation together.
     ran = 0
@@ -90,7 +95,7 @@ def train(state: TrainState, world: elastic.World, steps: int, kill_at: int) -> 
             log.info("step %d: killing this worker (SIGKILL)", state.step)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(next(data).tolist())
+        x, y = next(data)
         loss = F.mse_loss(ddp(x), y)
         state.optimizer.zero_grad()
         loss.backward()  # DDP's all-reduce: where the survivors notice the kill

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    head = text.split("\n## ", 1)[0]
-    return re.findall(r"```(?:bash|sh)\n(.+?)\n```", head, flags=re.S)
+from readme_commands import ROOT
+from readme_commands import top_commands as _commands
 
 
 def test_readme_starts_with_the_demo_and_test_commands() -> None:

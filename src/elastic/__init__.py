@@ -4,6 +4,7 @@ Decorate an attrs class with `@elastic_state(tenure=...)`; `sync`, `save` and `l
 tenured state in the group and give it to every rank.
 """
 
+from elastic._methods import StateMethods
 from elastic._util.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -37,6 +38,7 @@ __all__ = [
     "ElasticSampler",
     "LoadReport",
     "SaveHandle",
+    "StateMethods",
     "StateMismatchError",
     "SyncError",
     "SyncReport",
