@@ -42,6 +42,7 @@ def fresh_env(venv: Path, constraints: Path) -> dict[str, str]:
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv)
     env["PIP_CONSTRAINT"] = str(constraints)
+    env["PIP_NO_COMPILE"] = "1"  # no .pyc files written at install (torch's take a minute): the same install
     return env
 
 
