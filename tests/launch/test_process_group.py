@@ -147,6 +147,10 @@ def test_an_existing_group_is_the_same_error_here_and_in_run(clean_env: pytest.M
     with pytest.raises(elastic.ElasticError, match="already exists") as in_run:
         _run._new_group(dist.HashStore(), None, "gloo", timedelta(seconds=10))
     assert type(here.value) is type(in_run.value) is elastic.ElasticError
+    state = _run_state()
+    with pytest.raises(elastic.ElasticError, match="already exists"):  # at once: the user's group stays
+        elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1")
+    assert dist.is_initialized()
 
 
 def die_until_the_last_attempt(folder: str, last: int) -> int:
@@ -231,3 +235,16 @@ def test_torchrun_restart_after_a_worker_dies(tmp_path: Path) -> None:
     seen = set(re.findall(r"attempt (\d) rank (\d) sum 3\.0 agent store True", done.stdout))
     assert seen == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
     assert sorted(re.findall(r"done attempt (\d) rank (\d)", done.stdout)) == [("1", "0"), ("1", "1")]
+
+
+def _run_state() -> object:
+    import attrs
+    import torch
+
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class Tiny:
+        w: torch.Tensor
+        step: int = 0
+
+    return Tiny(torch.zeros(1))

@@ -494,6 +494,11 @@ def test_generations_failing_at_one_tenure_end_with_their_history() -> None:
     assert stalls.history == ["generation 1: b"]
     stalls.succeeded()
     assert stalls.history == []
+    # a generation that failed in its own load or sync completed no step, whatever the tenure then
+    assert stalls.failed(3, _run.NOT_STARTED, None, "x") is None
+    assert stalls.history == ["generation 3: x"]
+    assert isinstance(stalls.failed(4, _run.NOT_STARTED, None, "y"), elastic.ElasticError)
+    stalls.succeeded()
     assert stalls.failed(2, [1], [1], "x") is None  # lists compare; incomparable tenures count nothing
     assert _run._Stalls(1).failed(0, float("nan"), float("nan"), "y") is None
 
@@ -955,6 +960,10 @@ def test_busy_keeps_heartbeating_past_timeout_and_tells_the_others_where_it_is()
         rdzv._last_progress = time.monotonic() - 10
         assert rdzv._making_progress(time.monotonic())
         assert peer.notes() == {1: "world.busy('compile')"}
+        with world.busy("eval"):
+            assert peer.notes() == {1: "world.busy('eval')"}
+        assert peer.notes() == {1: "world.busy('compile')"}  # the outer block still runs
+        assert rdzv._making_progress(time.monotonic())
     assert rdzv._making_progress(time.monotonic())  # leaving the block is progress
     assert peer.notes() == {}
     rdzv._last_progress = time.monotonic() - 10

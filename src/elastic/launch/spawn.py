@@ -475,7 +475,8 @@ def spawn(
         args: positional arguments of `fn`.
         kwargs: keyword arguments of `fn`.
         backend: the process group's backend (``"nccl"`` gives each worker the CUDA device of its
-            ``LOCAL_RANK``); unused with ``restart="worker"``.
+            ``LOCAL_RANK``); with ``restart="worker"`` only ``"gloo"`` (the default) is accepted:
+            `elastic.run` picks each generation's backend itself.
         max_restarts: with ``restart="group"``, how many times the whole group is restarted on a
             failure, as torchrun does (workers see ``TORCHELASTIC_RESTART_COUNT``); with
             ``restart="worker"``, how many times each slot is restarted.
@@ -491,7 +492,8 @@ def spawn(
             and message and the remote traceback; with ``restart="worker"``, after the other workers
             finished), or the run exceeded `timeout`.
         TypeError: `fn` is not callable, or `args`, `kwargs` or `backend` have the wrong type.
-        ValueError: `nprocs`, `max_restarts` or `restart` out of range.
+        ValueError: `nprocs`, `max_restarts` or `restart` out of range, or a `backend` other than
+            ``"gloo"`` with ``restart="worker"``.
     """
     if restart not in ("group", "worker"):
         msg = f"elastic.spawn(restart=...) must be 'group' or 'worker', got {restart!r}"
@@ -608,6 +610,8 @@ class _Slot:
     life: int = 0
     proc: Any = None
     pumps: list[_Pump] = dataclasses.field(default_factory=list)
+    #: the pumps of earlier lives, still copying what a dead worker's forked children print
+    old_pumps: list[_Pump] = dataclasses.field(default_factory=list)
     done: bool = False
     error: WorkerError | None = None
     failed_at: float = 0.0
@@ -656,6 +660,7 @@ def _start_slot(
         env=child_env,
     )
     prefix = f"[rank {slot.index}] "
+    slot.old_pumps += [pump for pump in slot.pumps if pump.is_alive()]
     slot.pumps = [_Pump(slot.proc.stdout, out, prefix, lock), _Pump(slot.proc.stderr, err, prefix, lock)]
     for pump in slot.pumps:
         pump.start()
@@ -671,7 +676,7 @@ def _stop_slots(slots: list[_Slot]) -> None:
         if slot.proc is not None:
             with contextlib.suppress(Exception):
                 slot.proc.wait(timeout=10)
-        for pump in slot.pumps:
+        for pump in [*slot.pumps, *slot.old_pumps]:
             pump.join(timeout=5)
 
 
@@ -723,10 +728,10 @@ def _spawn_workers(
                 code = slot.proc.returncode
                 # A dead worker's forked children (DataLoader workers) may hold its pipes open for seconds:
                 # a restart does not wait for them (the pumps go on copying what they print meanwhile).
-                restarting = slot.life < max_restarts and code != 0
+                finished = code == 0 and (tmp / f"result-{slot.life}-{slot.index}").exists()
                 for pump in slot.pumps:
-                    pump.join(timeout=0.5 if restarting else 5)
-                if code == 0 and (tmp / f"result-{slot.life}-{slot.index}").exists():
+                    pump.join(timeout=5 if finished or slot.life >= max_restarts else 0.5)
+                if finished:
                     slot.done = True
                     continue
                 failure = _slot_failure(tmp, slot, code)

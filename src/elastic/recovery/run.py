@@ -136,6 +136,7 @@ class World:
         self._note = note
         self._calls = 0
         self._store_warned = False
+        self._busy: list[str] = []  # the open `busy` blocks, innermost last
 
     def __repr__(self) -> str:
         return f"World(rank={self.rank}, size={self.size}, generation={self.generation})"
@@ -164,14 +165,16 @@ class World:
         Returns:
             A context manager.
         """
+        self._busy.append(what)
         if self._note is not None:
             self._note(f"world.busy({what!r})")
         try:
             with self._rdzv.hold():
                 yield
         finally:
-            if self._note is not None:
-                self._note(None)
+            self._busy.pop()
+            if self._note is not None:  # an outer block still runs: it is where this rank is
+                self._note(f"world.busy({self._busy[-1]!r})" if self._busy else None)
 
     def check(self) -> None:
         """Collective, once per step on every rank: end the generation here if someone joins or leaves.
@@ -276,16 +279,19 @@ def _nccl_setup() -> torch.device:
     return torch.device("cuda", index)
 
 
+#: Why `run` refuses a process that already has a default group (it makes one per generation).
+_GROUP_EXISTS = (
+    "elastic.run: a default process group already exists in this process; elastic.run creates one per "
+    "generation itself: do not call init_process_group before run (or destroy it first)"
+)
+
+
 def _new_group(store: Any, membership: Any, backend: str, timeout: timedelta) -> Any:
     """A fresh default process group for `membership`, on its own prefix of `store`."""
     from torch.distributed.distributed_c10d import _world
 
     if dist.is_initialized():
-        msg = (
-            "elastic.run: a default process group already exists in this process; elastic.run creates "
-            "one per generation itself: do not call init_process_group before run (or destroy it first)"
-        )
-        raise ElasticError(msg)
+        raise ElasticError(_GROUP_EXISTS)
     # A failed init_process_group leaves torch's group counter incremented: reset it while no group
     # exists, so that every rank names its groups alike.
     if not _world.pg_map:
@@ -483,8 +489,6 @@ def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeou
     is a peer's failure; with every member present and accounted for, different places are a mismatch
     (the script's bug), one place for all is nobody's failure. The first verdict written wins.
     """
-    if isinstance(exc, _EndGeneration):
-        return REGROUP + "ended by agreement"
     members = gen.membership.members
     me = gen.membership.rank
     began = time.monotonic()
@@ -528,6 +532,10 @@ def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeou
         time.sleep(_POLL)
 
 
+#: The tenure a generation started at when it failed before its load or sync ended (no step completed).
+NOT_STARTED: Any = object()
+
+
 class _Stalls:
     """Generations that fail before a step completes at the same tenure, in a row: after `limit` of them
     `run` stops with their history instead of regrouping forever."""
@@ -538,9 +546,10 @@ class _Stalls:
         self._tenure: Any = None
 
     def failed(self, generation: int, started_at: Any, now: Any, why: str) -> ElasticError | None:
-        """Count a failed generation (its tenure when it started and now); the error once past `limit`."""
+        """Count a failed generation (its tenure when it started, `NOT_STARTED` when it failed in its
+        load or sync, and now); the error once past `limit`."""
         try:
-            stalled = bool(started_at == now)
+            stalled = started_at is NOT_STARTED or bool(started_at == now)
             again = bool(self._tenure == now)
         except Exception:  # tenures that do not compare: count nothing
             stalled = again = False
@@ -612,7 +621,7 @@ class _NcclWatch(threading.Thread):
             try:
                 alive = self._rdzv.alive()
                 gone = [r for r, m in enumerate(members) if m not in alive and r != me]
-                if gone or self._gen.announced():
+                if gone or self._gen.announced() or self._gen.records():
                     log.warning(
                         "generation %d: aborting the NCCL group (a peer is gone)",
                         self._gen.membership.generation,
@@ -799,6 +808,8 @@ def run(
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
     release_connections_in_forked_children()
     config_of(state, "elastic.run()")
+    if dist.is_initialized():
+        raise ElasticError(_GROUP_EXISTS)
     td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
     join_td = as_timedelta(join_timeout, "elastic.run") or DEFAULT_JOIN_TIMEOUT
 
@@ -935,7 +946,7 @@ class _Loop:
 
     def train(self, live: _Live, gen: _Generation, membership: Any) -> Any:
         """Start the generation (load or sync), run ``fn`` and end the generation `live` holds."""
-        started_at: Any = None
+        started_at: Any = NOT_STARTED
         try:
             live.start()
             self.rendezvous.progress()
@@ -984,7 +995,11 @@ class _Loop:
             live.end(abort=True)
             raise exc
         # Record where this rank was and abort at once: every peer blocked on this rank fails now and
-        # records where it was, so that `_judge` sees every member within milliseconds.
+        # records where it was, so that `_judge` sees every member within milliseconds. The next round
+        # hears first that this member is on its way (the abort may hold the GIL, and so the heartbeat).
+        leaving = self.departure.requested.is_set()
+        if not leaving:
+            _announce(self.rendezvous)
         gen.record(where_of(exc))
         live.end(abort=True)
         verdict = _judge(exc, self.rendezvous, gen, self.probe, self.timeout)
@@ -995,11 +1010,8 @@ class _Loop:
             gen.announce(f"raised {type(exc).__name__}")
             raise exc
         why = verdict[len(REGROUP) :]
-        leaving = self.departure.requested.is_set()
         if leaving:
             self.rendezvous.leave()  # SIGTERM came first: the others need not wait for this member
-        else:
-            _announce(self.rendezvous)
         gen.announce("saw the group fail")
         text = _first_line(exc) or type(exc).__name__
         stalled = self.stalls.failed(membership.generation, started_at, _tenure_now(self.state), why)
