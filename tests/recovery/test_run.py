@@ -356,6 +356,21 @@ class FakeRendezvous:
         self.left = True
 
 
+def make_world(rdzv: Any, **overrides: Any) -> Any:
+    """A `World` of one rank (generation 0, flag every check, 5 s timeout) unless `overrides` say else."""
+    options: dict[str, Any] = {
+        "rank": 0,
+        "size": 1,
+        "generation": 0,
+        "group": None,
+        "check_every": 1,
+        "leave_requested": lambda: False,
+        "timeout": timedelta(seconds=5),
+    }
+    options.update(overrides)
+    return _run.World(rdzv=rdzv, **options)
+
+
 @attrs.frozen
 class FakeMembership:
     generation: int = 3
@@ -560,16 +575,7 @@ def test_workers_are_ranked_by_their_stable_order(monkeypatch: pytest.MonkeyPatc
 
 def test_check_exchanges_the_flag_every_check_every_calls(single_group: Any) -> None:
     rdzv = FakeRendezvous({"a"})
-    world = _run.World(
-        rank=0,
-        size=1,
-        generation=0,
-        group=single_group,
-        rdzv=rdzv,
-        check_every=3,
-        leave_requested=lambda: False,
-        timeout=timedelta(seconds=5),
-    )
+    world = make_world(rdzv, group=single_group, check_every=3)
     for _ in range(6):
         world.check()
     assert rdzv.pending_calls == 2 and rdzv.progressed >= 6
@@ -585,16 +591,7 @@ def test_check_exchanges_the_flag_every_check_every_calls(single_group: Any) -> 
 def test_a_sigterm_makes_check_leave(single_group: Any) -> None:
     rdzv = FakeRendezvous({"a"})
     with _run._Departure() as departure:
-        world = _run.World(
-            rank=0,
-            size=1,
-            generation=0,
-            group=single_group,
-            rdzv=rdzv,
-            check_every=1,
-            leave_requested=departure.requested.is_set,
-            timeout=timedelta(seconds=5),
-        )
+        world = make_world(rdzv, group=single_group, leave_requested=departure.requested.is_set)
         world.check()
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5
@@ -944,17 +941,7 @@ def test_busy_keeps_heartbeating_past_timeout_and_tells_the_others_where_it_is()
     store = dist.HashStore()
     gen = _run._Generation(store, FakeMembership(rank=1))
     peer = _run._Generation(store, FakeMembership(rank=0))
-    world = _run.World(
-        rank=1,
-        size=2,
-        generation=3,
-        group=None,
-        rdzv=rdzv,
-        check_every=1,
-        leave_requested=lambda: False,
-        timeout=timedelta(seconds=1),
-        note=gen.note,
-    )
+    world = make_world(rdzv, rank=1, size=2, generation=3, timeout=timedelta(seconds=1), note=gen.note)
     assert world.mesh is None
     with world.busy("compile"):
         rdzv._last_progress = time.monotonic() - 10
