@@ -77,10 +77,10 @@ from elastic.replication.sharded import (
     sync_sharded,
 )
 from elastic.state.config import StateConfig, saved_fields
-from elastic.state.lineage import set_lineage
+from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import kind_of
 from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict
-from elastic.state.tenure import as_saveable, check_saveable, exceeds, order_key
+from elastic.state.tenure import as_saveable, check_saveable, current, exceeds, order_key
 
 __all__ = ["LAYOUT", "METADATA", "ShardedWrite", "load_sharded", "save_sharded"]
 
@@ -431,24 +431,37 @@ class _Corrupt(Exception):
 
 
 def _read_pieces(
-    storage: Storage, directory: Any, manifest: dict[str, Any], plan: Any, planner: _LoadPlanner, md: Metadata
+    storage: Storage,
+    directory: Any,
+    manifest: dict[str, Any] | None,
+    plan: Any,
+    planner: _LoadPlanner,
+    md: Metadata,
 ) -> None:
     """DCP's reads of `plan`, each piece's chunks verified against the manifest before it is used."""
-    files = manifest["files"]
+    files = manifest["files"] if manifest is not None else None
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
         info = md.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append(item)
     with storage.session(directory):
         for name, reqs in per_file.items():
-            rec = files.get(name)
-            if rec is None or "crc32" not in rec:
-                raise _Corrupt(f"{name} is not listed in the manifest")
-            chunk, crcs = rec["chunk"], rec["crc32"]
+            if files is None:  # a plain DCP checkpoint: nothing to verify against
+                rec = None
+            else:
+                rec = files.get(name)
+                if rec is None or "crc32" not in rec:
+                    raise _Corrupt(f"{name} is not listed in the manifest")
             with storage.open_read(storage.join(directory, name)) as f:
                 for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
                     info = md.storage_data[req.storage_index]
-                    data = _verified(f, info.offset, info.length, chunk, crcs, rec["size"], name)
+                    if rec is None:
+                        f.seek(info.offset)
+                        data = memoryview(f.read(info.length))
+                    else:
+                        data = _verified(
+                            f, info.offset, info.length, rec["chunk"], rec["crc32"], rec["size"], name
+                        )
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(data))
                         continue
@@ -509,6 +522,13 @@ class _Seen:
     tenure: Any
     created_ns: int
     world_size: int
+    #: written by plain `torch.distributed.checkpoint.save` (no manifest: no tenure, no checksums)
+    plain: bool = False
+
+
+def is_plain_dcp(root: Any, storage: Storage) -> bool:
+    """Whether `root` is a checkpoint of plain DCP: its metadata file, no manifest."""
+    return storage.exists(storage.join(root, METADATA)) and not is_checkpoint_dir(root, storage)
 
 
 @attrs.frozen
@@ -552,9 +572,12 @@ def load_sharded(
         layout, ranks = group_layout(comm, mesh, op)
     record, _ = shard_record(state, config, layout, ranks[g.rank], "sync")
     try:
-        seen = tuple(
-            _Seen(str(c.path), c.tenure, c.created_ns, c.world_size) for c in sharded_candidates(options)
-        )
+        if is_plain_dcp(options.root, options.storage):
+            seen: tuple[_Seen, ...] = (_Seen(str(options.root), None, 0, 0, plain=True),)
+        else:
+            seen = tuple(
+                _Seen(str(c.path), c.tenure, c.created_ns, c.world_size) for c in sharded_candidates(options)
+            )
         scan_error = None
     except Exception as exc:
         seen, scan_error = (), options.storage.explain(exc) or f"{type(exc).__name__}: {exc}"
@@ -572,8 +595,10 @@ def load_sharded(
     common.sort(key=lambda s: (order_key(s.tenure), s.created_ns), reverse=True)
     corrupt: list[str] = []
     for cand in common:
-        if memory is not None and not exceeds(
-            cand.tenure, memory.tenure, f"checkpoint {cand.path}", "the in-memory state", op
+        if (
+            not cand.plain
+            and memory is not None
+            and not exceeds(cand.tenure, memory.tenure, f"checkpoint {cand.path}", "the in-memory state", op)
         ):
             break
         verdict, stage = _read_into_staging(state, options, cand)
@@ -583,7 +608,9 @@ def load_sharded(
             apply_sharded(state, stage, "save")
             token = f"load:{cand.path}:{cand.created_ns}"
             set_lineage(state, token=token, torn=False)
-            return "checkpoint", 0, cand.tenure, options.storage.result(cand.path), cand.world_size
+            tenure = current(state, config, lineage(state)) if cand.plain else cand.tenure
+            saved = None if cand.plain else cand.world_size
+            return "checkpoint", 0, tenure, options.storage.result(cand.path), saved
         kinds = {v.kind for _, v in bad}
         if kinds <= {"corrupt"}:
             text = "; ".join(f"rank {r}: {v.message}" for r, v in bad)
@@ -622,11 +649,11 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
     storage = options.storage
     directory = storage.result(cand.path)
     try:
-        c = validate(directory, storage)
-        rec = c.manifest["files"].get(METADATA)
+        manifest = None if cand.plain else validate(directory, storage).manifest
+        rec = manifest["files"].get(METADATA) if manifest is not None else None
         with storage.open_read(storage.join(directory, METADATA)) as f:
             raw = f.read()
-        if (
+        if manifest is not None and (
             rec is None
             or len(raw) != rec["size"]
             or any(
@@ -635,7 +662,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             )
         ):
             return _Verdict("corrupt", f"{METADATA} fails its checksum"), None
-        md = pickle.loads(raw)  # DCP's metadata, checksummed: written by a rank of this job
+        md = pickle.loads(raw)  # DCP's metadata (pickled, as DCP reads it): checksummed when we wrote it
         stage = _staging(sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md)))
         planner = _LoadPlanner(options.trusted)
         planner.set_up_planner(stage, md, False)
@@ -643,7 +670,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             plan = planner.finish_plan(planner.create_local_plan())
         except Exception as exc:
             return _Verdict("mismatch", f"{cand.path} does not match the state: {exc}"), None
-        _read_pieces(storage, directory, c.manifest, plan, planner, md)
+        _read_pieces(storage, directory, manifest, plan, planner, md)
         if planner.refused:
             return _Verdict(
                 "untrusted",

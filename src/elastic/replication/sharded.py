@@ -329,7 +329,13 @@ def sync_sharded(
         def lags(rank: int) -> bool:
             rec = records[rank]
             source = records[version.sources[rec.position]]
-            return force or rec.torn or rec.tenure != version.tenure or rec.token != source.token
+            return (
+                force
+                or rec.torn
+                or rec.tenure != version.tenure
+                or rec.token is None
+                or rec.token != source.token
+            )
 
         receiving_sets = {
             records[r].position
@@ -337,8 +343,15 @@ def sync_sharded(
             if r != version.sources[records[r].position] and lags(r)
         }
         receiver = comm.rank != set_source and lags(comm.rank)
+        # Every rank but the sender takes the sender's objects unless it shares the sender's lineage.
+        applies = comm.rank != sender and (
+            receiver or record.token is None or record.token != records[sender].token
+        )
+        if applies:  # torn until the whole version is in (a failure below leaves it so)
+            set_lineage(state, token=None, torn=True)
         failure: str | None = None
         object_bytes = 0
+        token = None
         try:
             # 1. The objects, from the sender: plain leaves and the new lineage token.
             data = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex)) if comm.rank == sender else None
@@ -351,26 +364,19 @@ def sync_sharded(
                 for (_, mine), (_, theirs) in zip(record.stateful, records[sender].stateful)
             ):
                 sd = sharded_state_dict(state, init_optimizers=True)
-            # 3. The pieces, inside each replica set that has a receiver.
+            # 3. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
+            #    such a set has a source, so the mesh has a "replicate" dimension).
             if me_pos in receiving_sets:
-                rep = mesh.get_group(REPLICATE) if layout.replicated else None
-                if rep is None:
-                    raise RuntimeError(
-                        "a replica set without a 'replicate' mesh dimension"
-                    )  # elect prevents it
+                rep = mesh.get_group(REPLICATE)
                 own = [p.local for p in pieces(sd) if _needed(p, records[sender].stateful)]
                 _broadcast_pieces(comm, own, ranks[set_source], rep, receive=receiver)
-            # 4. Receivers put the source's objects into their state.
-            if receiver:
+            # 4. The sender's objects.
+            if applies:
                 apply_sharded(state, merge_plain(sd, plain))
-            elif comm.rank != sender:
-                apply_sharded(state, merge_plain(sharded_state_dict(state), plain))
         except SyncError as exc:
             failure = str(exc)
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        if failure is not None and comm.rank != sender:
-            set_lineage(state, token=None, torn=True)
         outcome = group.gather(failure, "commit")
 
         def fail(rank: int, error: str) -> SyncError:
