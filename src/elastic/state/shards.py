@@ -325,6 +325,10 @@ def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path
             apply_sharded(value, entry, which, path=here)
         elif kind in STATE_DICT:
             value.load_state_dict(entry)
+        elif kind == Kind.TENSOR and isinstance(entry, torch.Tensor) and _same_layout(value, entry):
+            if entry is not value:  # in place: the field keeps its tensor (and an optimizer its reference)
+                with torch.no_grad():
+                    _local(value).copy_(_local(entry))
         elif kind == Kind.RNG:
             device = value.device.type if isinstance(value, torch.Generator) else "cpu"
             restored = restore_rng(entry["rng"], entry["state"], device, value)
@@ -332,6 +336,19 @@ def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path
                 object.__setattr__(state, name, restored)
         else:
             object.__setattr__(state, name, entry)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b` can be written into `a` in place: both DTensors with the same local shape and dtype, or
+    both plain tensors of the same shape, dtype and device."""
+    if is_dtensor(a) != is_dtensor(b):
+        return False
+    la, lb = _local(a), _local(b)
+    return la.shape == lb.shape and la.dtype == lb.dtype and la.device == lb.device
 
 
 def _load_module(module: torch.nn.Module, entry: dict[str, Any], path: Path) -> None:
