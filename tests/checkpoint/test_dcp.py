@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from dist_harness import run_on_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,10 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 def _four(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
-    from sharded_model import build, differences, full, mesh_for, perturb, train
 
     import elastic
     from elastic.state.lineage import lineage, set_lineage
+    from sharded_model import build, differences, full, mesh_for, perturb, train
 
     out: dict[str, Any] = {}
     mesh = mesh_for(world)
@@ -145,9 +146,8 @@ def _four(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _load(rank: int, world: int, root: str, then_save: str | None) -> dict[str, Any]:
-    from sharded_model import build, full, mesh_for, train
-
     import elastic
+    from sharded_model import build, full, mesh_for, train
 
     s = build(mesh_for(world), seed=100 + rank)  # different values everywhere: all must come from disk
     rep = elastic.load(s, root)
@@ -238,7 +238,7 @@ def test_a_rank_dying_while_pieces_move(four: Any) -> None:
 
 @pytest.fixture(scope="module")
 def three(four: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
-    root, results = four
+    root, _ = four
     saved = tmp_path_factory.mktemp("sharded3")
     return saved, run_on_ranks(_load, 3, args=(str(root / "final"), str(saved)), timeout=120)
 
