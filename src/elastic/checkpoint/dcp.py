@@ -412,8 +412,8 @@ def save_sharded(state: Any, config: StateConfig, g: Collective, options: SaveOp
 class _LoadPlanner(DefaultLoadPlanner):
     """DCP's load planner that unpickles only plain data unless the caller trusts the checkpoint."""
 
-    def __init__(self, trusted: bool) -> None:
-        super().__init__()
+    def __init__(self, trusted: bool, strict: bool) -> None:
+        super().__init__(allow_partial_load=not strict)
         self.trusted = trusted
         self.refused: list[str] = []
 
@@ -664,7 +664,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             return _Verdict("corrupt", f"{METADATA} fails its checksum"), None
         md = pickle.loads(raw)  # DCP's metadata (pickled, as DCP reads it): checksummed when we wrote it
         stage = _staging(sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md)))
-        planner = _LoadPlanner(options.trusted)
+        planner = _LoadPlanner(options.trusted, options.strict)
         planner.set_up_planner(stage, md, False)
         try:
             plan = planner.finish_plan(planner.create_local_plan())
