@@ -126,11 +126,38 @@ def _four(rank: int, world: int, root: str) -> dict[str, Any]:
     except elastic.CheckpointCorruptError as exc:
         out["named_corrupt"] = str(exc)
 
-    # 7. The checkpoint the other worlds load, and its gather.
+    # 7. Pickled objects need trust; DTensors on two meshes are refused, naming the fields.
+    from fractions import Fraction
+
+    s.note = Fraction(1, 3)  # type: ignore[assignment]
+    odd = elastic.save(s, root + "/odd")
+    try:
+        elastic.load(build(mesh, seed=12), odd)
+        out["untrusted"] = None
+    except elastic.UntrustedCheckpointError as exc:
+        out["untrusted"] = str(exc)
+    trusting = build(mesh, seed=13)
+    elastic.load(trusting, odd, trusted=True)
+    out["trusted"] = trusting.note
+    s.note = ""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    table = s.table
+    s.table = distribute_tensor(torch.zeros(4, 4), other, [Shard(0)])
+    try:
+        elastic.sync(s)
+        out["two_meshes"] = None
+    except ValueError as exc:
+        out["two_meshes"] = str(exc)
+    s.table = table
+
+    # 8. The checkpoint the other worlds load, and its gather.
     final = elastic.save(s, root + "/final")
     out["final"] = (str(final), full(s))
 
-    # 8. A rank dies while pieces move: the others raise, the receiver left is torn, the sources not.
+    # 9. A rank dies while pieces move: the others raise, the receiver left is torn, the sources not.
     if rank >= 2:
         s.step -= 1
         perturb(s)
@@ -225,6 +252,18 @@ def test_a_corrupt_piece_is_never_loaded(four: Any) -> None:
         assert tenure == 4 and diff == [] and path.endswith("ckpt-000000000004")
         assert r["named_corrupt"] is not None and "fails its checksum" in r["named_corrupt"]
     assert any(r["fallback_warned"] for r in results[:3])
+
+
+def test_pickled_objects_need_trust_and_one_state_has_one_mesh(four: Any) -> None:
+    from fractions import Fraction
+
+    _, results = four
+    for r in results[:3]:
+        assert r["untrusted"] is not None and "['note']" in r["untrusted"] and "trusted=True" in r["untrusted"]
+        assert r["trusted"] == Fraction(1, 3)
+        text = r["two_meshes"]
+        assert text is not None and "one device mesh" in text and "table on mesh (4,)" in text, text
+        assert "model on mesh (2, 2)" in text
 
 
 def test_a_rank_dying_while_pieces_move(four: Any) -> None:
