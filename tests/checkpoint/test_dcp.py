@@ -259,7 +259,8 @@ def test_pickled_objects_need_trust_and_one_state_has_one_mesh(four: Any) -> Non
 
     _, results = four
     for r in results[:3]:
-        assert r["untrusted"] is not None and "['note']" in r["untrusted"] and "trusted=True" in r["untrusted"]
+        text = r["untrusted"]
+        assert text is not None and "['note']" in text and "trusted=True" in text
         assert r["trusted"] == Fraction(1, 3)
         text = r["two_meshes"]
         assert text is not None and "one device mesh" in text and "table on mesh (4,)" in text, text

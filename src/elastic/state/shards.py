@@ -72,20 +72,18 @@ def _fields(state: Any, which: Which) -> list[str]:
 
 
 def _module_dtensor(module: torch.nn.Module) -> Any:
-    for t in module.parameters():
-        if is_dtensor(t):
-            return t
-    for b in module.buffers():
-        if is_dtensor(b):
-            return b
-    return None
+    """The module's first parameter if it is a DTensor. A model is sharded as a whole (FSDP2's
+    `fully_shard` on the root, tensor parallelism over every layer), so the first parameter tells; looking
+    at all of them would cost ~9 ms per sync of a 1,000-module model. A DTensor further in a model whose
+    first parameter is plain is refused by the walk with the fix."""
+    first = next(module.parameters(), None)
+    return first if is_dtensor(first) else None
 
 
-def _optimizer_dtensor(optim: torch.optim.Optimizer) -> DTensor | None:
+def _optimizer_dtensor(optim: torch.optim.Optimizer) -> Any:
     for group in optim.param_groups:
         for p in group["params"]:
-            if is_dtensor(p):
-                return p
+            return p if is_dtensor(p) else None
     return None
 
 

@@ -132,10 +132,18 @@ def check_tensor(tensor: torch.Tensor, path: Path) -> None:
     if type(tensor) is not torch.Tensor and not (
         type(tensor) is torch.nn.Parameter and type(tensor.detach()) is torch.Tensor
     ):
+        if type(tensor).__name__ == "DTensor":
+            msg = (
+                f"tensor {where} is a DTensor in a state the library took for replicated: a sharded state is "
+                "recognised by a DTensor field, or a module / optimizer whose first parameter is a DTensor. "
+                "Shard the whole model (fully_shard on the root module after its layers, or tensor "
+                "parallelism over every layer), so that its first parameter is sharded too"
+            )
+            raise TypeError(msg) from None
         msg = (
             f"tensor {where} is a {type(tensor).__module__}.{type(tensor).__qualname__}, a tensor subclass "
-            "(DTensor, FakeTensor, ...); elastic moves plain dense tensors only: store its local or full "
-            "value (dtensor.full_tensor() or .to_local()) as a plain torch.Tensor instead"
+            "(FakeTensor, ...); elastic moves plain dense tensors and DTensors only: store its value as a "
+            "plain torch.Tensor instead"
         )
         raise TypeError(msg) from None
     if tensor.is_meta:
