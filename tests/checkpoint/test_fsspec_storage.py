@@ -448,3 +448,26 @@ def test_writers_starting_together_claim_different_names() -> None:
     for t in threads:
         t.join(timeout=30)
     assert sorted(claimed) == [f"{root}/ckpt-000000000005{s}" for s in ("", ".1", ".2")]
+
+
+def _sharded_roundtrip(rank: int, world: int, url: str, opts: dict[str, Any]) -> tuple[list[str], Any]:
+    import elastic
+    from sharded_model import build, differences, full, mesh_for, train
+
+    mesh = mesh_for(world)
+    state = build(mesh)
+    train(state, 2)
+    path = elastic.save(state, url, storage_options=opts)
+    fresh = build(mesh, seed=5)
+    report = elastic.load(fresh, url, storage_options=opts)
+    return [str(path), report.source, report.tenure], differences(full(state), full(fresh))
+
+
+def test_a_sharded_state_saves_and_loads_through_an_object_store(bucket: Any) -> None:
+    url, opts, fs = bucket
+    results = run_on_ranks(_sharded_roundtrip, 2, args=(url, opts), timeout=120)
+    (path, source, tenure), diff = results[0]
+    assert results[1][0] == [path, source, tenure] and (source, tenure) == ("checkpoint", 2)
+    assert diff == [] and results[1][1] == []
+    names = listing(fs, path)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]

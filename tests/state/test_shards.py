@@ -1,0 +1,63 @@
+"""Shard positions and replica sets of a mesh, and the plain part of a sharded state dict (no group)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from elastic.state.shards import PIECE, layout_of, merge_plain, plain_leaves
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> SimpleNamespace:
+    return SimpleNamespace(
+        mesh=torch.arange(int(torch.tensor(shape).prod())).reshape(shape), mesh_dim_names=names
+    )
+
+
+def test_positions_leave_out_the_replicate_dimension() -> None:
+    hsdp = layout_of(mesh((2, 3), ("replicate", "shard")))
+    assert hsdp.position == {0: (0,), 1: (1,), 2: (2,), 3: (0,), 4: (1,), 5: (2,)}
+    assert hsdp.positions == [(0,), (1,), (2,)]
+    assert hsdp.replica_set(4) == [1, 4] and hsdp.replicated
+    fsdp = layout_of(mesh((4,), ("shard",)))
+    assert fsdp.positions == [(0,), (1,), (2,), (3,)] and fsdp.replica_set(2) == [2] and not fsdp.replicated
+    tp = layout_of(mesh((2, 2, 2), ("replicate", "shard", "tp")))
+    assert tp.replica_set(3) == [3, 7] and tp.position[3] == (1, 1)
+    assert hsdp.describe() == "2x3 mesh ('replicate', 'shard')"
+
+
+def test_the_plain_part_marks_pieces_and_merges_back_onto_own_pieces() -> None:
+    class FakeDTensor(torch.Tensor):
+        pass
+
+    import elastic.state.shards as shards
+
+    real = shards.dtensor_type
+    shards.dtensor_type = lambda: FakeDTensor  # type: ignore[assignment]
+    try:
+        piece = torch.zeros(2).as_subclass(FakeDTensor)
+        mine = torch.ones(2).as_subclass(FakeDTensor)
+        sd = {
+            "model": {"w": piece, "buf": torch.tensor([1.0])},
+            "step": 3,
+            "opt": {"param_groups": [{"lr": 1}]},
+        }
+        plain = plain_leaves(sd)
+        assert plain["model"]["w"] is PIECE and plain["step"] == 3 and plain["opt"] == sd["opt"]
+        merged = merge_plain({"model": {"w": mine, "buf": torch.tensor([0.0])}, "step": 1, "opt": {}}, plain)
+        assert merged["model"]["w"] is mine  # own piece kept
+        assert torch.equal(merged["model"]["buf"], torch.tensor([1.0])) and merged["step"] == 3
+    finally:
+        shards.dtensor_type = real  # type: ignore[assignment]
+
+
+def test_importing_elastic_does_not_import_dtensor_or_dcp() -> None:
+    code = (
+        "import sys, elastic; "
+        "print('torch.distributed.tensor' in sys.modules, 'torch.distributed.checkpoint' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
