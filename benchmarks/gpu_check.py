@@ -19,6 +19,12 @@ that prints a table and exits non-zero when any value is wrong. Its parts:
 - world1: a world of one under NCCL (``elastic.init_process_group("nccl")``): `sync`, `verify`, the object
   payload path on the backend's device, the source's half of the tensor transfer, `save`, `load` and an
   async save, without error and with the right values.
+- sharded: issue 20's FSDP2 state (``fully_shard`` on a 1-D ``("shard",)`` mesh, a model with a
+  BatchNorm's buffers, Adam, one step taken) in a world of one under NCCL: `sync` (a world of one moves
+  nothing), `save` (a DCP checkpoint), the full state gathered (``get_model_state_dict`` and
+  ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True``); then two CPU gloo ranks
+  (``elastic.spawn``) build the same model on a mesh of two from another seed, `load` the checkpoint
+  (resharded from one piece to two) and gather their full state, compared bit for bit with the saved one.
 - Peak GPU memory of every step (``torch.cuda.max_memory_allocated``, reset before the step), with the
   rise over what the process held before it.
 
@@ -61,7 +67,7 @@ SMALL_BYTES = 4096
 #: Values a row's status takes; WRONG and ERROR make the exit status 1.
 OK, WRONG, ERROR, INFO, SKIPPED = "ok", "WRONG", "ERROR", "info", "SKIPPED"
 #: Parts of the check, in the order they run.
-PARTS = ("sync", "ckpt", "world1")
+PARTS = ("sync", "ckpt", "world1", "sharded")
 
 
 @elastic.elastic_state(tenure="step")
@@ -353,6 +359,12 @@ def _fixed_peak(cuda: bool, extra: int) -> Peak | str:
     return f"(+{extra / MiB:.0f})" if cuda else "-"
 
 
+def merged(values: list[str]) -> str:
+    """One rank's value when every rank's is the same, else ``r0: ...; r1: ...``."""
+    unique = list(dict.fromkeys(values))
+    return unique[0] if len(unique) == 1 else "; ".join(f"r{i}: {v}" for i, v in enumerate(values))
+
+
 def run_sync_part(cfg: dict[str, Any]) -> list[Row]:
     per_rank = elastic.spawn(sync_worker, nprocs=2, args=(cfg,), backend="gloo", timeout=cfg["timeout"] * 2)
     rows: list[Row] = []
@@ -364,8 +376,7 @@ def run_sync_part(cfg: dict[str, Any]) -> list[Row]:
     for step, found in by_step.items():
         statuses = {r["status"] for r in found}
         status = WRONG if WRONG in statuses else next(iter(statuses))
-        values = list(dict.fromkeys(r["value"] for r in found))
-        value = values[0] if len(values) == 1 else "; ".join(f"r{i}: {v}" for i, v in enumerate(values))
+        value = merged([r["value"] for r in found])
         peaks = [r["peak"] for r in found if r["peak"] and r["peak"] != "-"]
         rows.append(Row("sync", step, status, value, " / ".join(peaks) if peaks else "-"))
     return rows
@@ -568,6 +579,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """Launcher variables of a world of one for the block, restored after it.
+
+    The default process group the block starts is destroyed at its end, also when the block raises.
+    """
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
     from elastic.replication.comm import Comm
     from elastic.replication.transport.broadcast import BroadcastTransport
@@ -583,16 +621,7 @@ def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
         rows.append(Row(part, step, status, value, peak.text() if peak is not None else ""))
 
     timeout = timedelta(seconds=cfg["timeout"])
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with world_of_one():
         with Peak(device) as pk:
             elastic.init_process_group(backend, timeout=timeout)
         row(f'init_process_group("{backend}")', dist.get_backend() == backend, dist.get_backend(), pk)
@@ -662,14 +691,193 @@ def run_world1_part(cfg: dict[str, Any], root: Path) -> list[Row]:
         with Peak(device) as pk:
             written = elastic.save(state, ckpts, blocking=False, timeout=timeout).wait()
         row("save(blocking=False)", (written / "manifest.json").is_file(), written.name, pk)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Part 4: a sharded state (issue 20), saved in a world of one and loaded resharded on two CPU ranks
+
+
+def build_sharded(seed: int, device_type: str) -> CheckState:
+    """An FSDP2 state on a 1-D ``("shard",)`` mesh over the default group, after one Adam step.
+
+    Its first layer shards unevenly (33 rows: pieces of 17 and 16 on two ranks); its BatchNorm's buffers
+    stay plain tensors (FSDP2 shards parameters only), replicated on every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 33), torch.nn.BatchNorm1d(33), torch.nn.ReLU(), torch.nn.Linear(33, 8)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 16, generator=g).to(mesh.device_type)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return CheckState(model, opt, step=0)
+
+
+def full_state(state: CheckState) -> dict[str, Any]:
+    """The whole state, gathered onto rank 0's CPU (empty dicts on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(state.model, options=options),
+        "optimizer": get_optimizer_state_dict(state.model, state.optimizer, options=options),
+        "step": state.step,
+    }
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The leaves of nested dicts and lists, by their path (``optimizer.state.0.weight.exp_avg``)."""
+    if isinstance(tree, dict):
+        items: Iterator[tuple[Any, Any]] = iter(tree.items())
+    elif isinstance(tree, list):
+        items = enumerate(tree)
+    else:
+        return {prefix.rstrip("."): tree}
+    return {k: v for key, sub in items for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return type(a) is type(b) and bool(a == b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8))
+
+
+def compare(got: Any, want: Any) -> tuple[bool, str]:
+    """Whether two trees have the same leaves, tensors bit for bit, and a line saying how many do."""
+    a, b = _leaves(got), _leaves(want)
+    keys = sorted(set(a) | set(b))
+    bad = {k for k in keys if k not in a or k not in b or not _bitwise_equal(a[k], b[k])}
+    tensors = [k for k in keys if isinstance(b.get(k), torch.Tensor)]
+    others = [k for k in keys if k not in tensors]
+    parts = [
+        f"{sum(k not in bad for k in ks)}/{len(ks)} {what}"
+        for ks, what in ((tensors, "tensors bit for bit"), (others, "other values equal"))
+        if ks
+    ]
+    text = ", ".join(parts) + (f"; first differing: {min(bad)}" if bad else "")
+    return not bad and bool(keys), text
+
+
+def sharded_worker(ckpts: Path, inject: bool) -> dict[str, Any]:
+    """Runs on each of the two CPU gloo ranks: the same model from another seed, then `load`."""
+    from torch.distributed.tensor import DTensor
+
+    state = build_sharded(seed=1, device_type="cpu")
+    report = elastic.load(state, ckpts)
+    weight = next(state.model.parameters())  # 0.weight
+    pieces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, weight.to_local().shape[0] if isinstance(weight, DTensor) else None)
+    full = full_state(state)
+    if inject and dist.get_rank() == 0:
+        corrupt(next(iter(full["model"].values())))
+    return {
+        "load_ok": (report.source, report.tenure, report.saved_world_size, report.world_size, state.step)
+        == ("checkpoint", 1, 1, 2, 1),
+        "load": f"{report.source}, tenure {report.tenure}, written by a world of {report.saved_world_size}, "
+        f"step {state.step}",
+        "pieces": pieces,
+        "full": full,
+    }
+
+
+def run_sharded_part(cfg: dict[str, Any], root: Path) -> list[Row]:
+    from torch.distributed.tensor import DTensor
+
+    device = torch.device(cfg["device"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    rows: list[Row] = []
+
+    def row(step: str, ok: bool | None, value: str, peak: Peak | None = None) -> None:
+        status = INFO if ok is None else (OK if ok else WRONG)
+        rows.append(Row("sharded", step, status, value, peak.text() if peak is not None else ""))
+
+    timeout = timedelta(seconds=cfg["timeout"])
+    ckpts = root / "sharded"
+    with world_of_one():
+        elastic.init_process_group(backend, timeout=timeout)
+        with Peak(device) as pk:
+            state = build_sharded(seed=0, device_type=device.type)
+            state.step = 1
+        params = list(state.model.parameters())
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        meshes = {
+            (p.device_mesh.device_type, p.device_mesh.shape, p.device_mesh.mesh_dim_names) for p in sharded
+        }
+        row(
+            f"world of one ({backend}): FSDP2 state",
+            len(sharded) == len(params) > 0 and meshes == {(device.type, (1,), ("shard",))},
+            f"{len(sharded)}/{len(params)} parameters DTensors on mesh(es) {sorted(meshes)}",
+            pk,
+        )
+        before = full_state(state)
+        with Peak(device) as pk:
+            report = elastic.sync(state, timeout=timeout)
+        row(
+            f"world of one ({backend}): sync moves nothing",
+            report.world_size == 1 and report.tensor_bytes == 0 and report.object_bytes == 0,
+            f"world_size {report.world_size}, tensor_bytes {report.tensor_bytes}, "
+            f"object_bytes {report.object_bytes}",
+            pk,
+        )
+        with Peak(device) as pk:
+            path = Path(elastic.save(state, ckpts, timeout=timeout))
+        files = sorted(f.name for f in path.iterdir())
+        row(
+            f"world of one ({backend}): save (DCP format)",
+            {"manifest.json", ".metadata", "__0_0.distcp"} <= set(files),
+            f"{path.name}: {', '.join(files)}",
+            pk,
+        )
+        saved = full_state(state)
+        ok, text = compare(saved, before)
+        row(f"world of one ({backend}): sync and save leave the state", ok, text)
+        del state, params, sharded  # the group's tensors go with the group
+
+    per_rank = elastic.spawn(
+        sharded_worker,
+        nprocs=2,
+        args=(ckpts, "sharded" in cfg["inject"]),
+        backend="gloo",
+        timeout=cfg["timeout"] * 2,
+    )
+    row(
+        "2 CPU gloo ranks, mesh (2,): load",
+        all(r["load_ok"] for r in per_rank),
+        merged([r["load"] for r in per_rank]),
+    )
+    pieces = per_rank[0]["pieces"]
+    row(
+        "2 CPU gloo ranks: resharded into two pieces",
+        pieces == [17, 16],
+        f"0.weight (33 rows): {' + '.join(map(str, pieces))} rows",
+    )
+    got, want = per_rank[0]["full"], saved
+    for name, a, b in (
+        ("model", got["model"], want["model"]),
+        ("optimizer state", got["optimizer"]["state"], want["optimizer"]["state"]),
+        ("optimizer param_groups", got["optimizer"]["param_groups"], want["optimizer"]["param_groups"]),
+    ):
+        ok, text = compare(a, b)
+        row(f"2 CPU gloo ranks: {name} as saved", ok, text)
     return rows
 
 
@@ -721,7 +929,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for each collective (default 240)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     p.add_argument("--cpu", action="store_true", help="run the CPU analogue even where CUDA is available")
-    p.add_argument("--inject-wrong", default="", help=argparse.SUPPRESS)  # "sync,load": checks the check
+    p.add_argument(
+        "--inject-wrong", default="", help=argparse.SUPPRESS
+    )  # "sync,load,sharded": checks the check
     args = p.parse_args(argv)
     unknown = set(filter(None, args.parts.split(","))) - set(PARTS)
     if unknown:
@@ -768,6 +978,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync": lambda: run_sync_part(cfg),
         "ckpt": lambda: run_ckpt_part(cfg, root),
         "world1": lambda: run_world1_part(cfg, root),
+        "sharded": lambda: run_sharded_part(cfg, root),
     }
     started = time.perf_counter()
     try:
@@ -799,6 +1010,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(Row("ckpt", "load: no GPU copy of the state", SKIPPED, why))
             if name == "world1" and not cuda:
                 rows.append(Row("world1", "NCCL world of one", SKIPPED, f"{why}: ran under gloo instead"))
+            if name == "sharded" and not cuda:
+                rows.append(Row("sharded", "NCCL world of one", SKIPPED, f"{why}: ran under gloo instead"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

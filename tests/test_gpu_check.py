@@ -2,8 +2,8 @@
 
 Every part's CPU analogue must run and be right, the CUDA-only parts must say SKIPPED and why, and a wrong
 value (injected with the hidden ``--inject-wrong`` flag) must make the script fail, so that the check
-itself is checked. Two runs of the script (the first with its two gloo ranks, both with) plus in-process
-checks of its argument handling.
+itself is checked. Two runs of the script (both with the sync part's two gloo ranks and the sharded part's
+world of one and two gloo ranks) plus in-process checks of its argument handling.
 """
 
 from __future__ import annotations
@@ -91,6 +91,15 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
         ("world1/gloo", "save"),
         ("world1/gloo", "load"),
         ("world1/gloo", "save(blocking=False)"),
+        ("sharded", "world of one (gloo): FSDP2 state"),
+        ("sharded", "world of one (gloo): sync moves nothing"),
+        ("sharded", "world of one (gloo): save (DCP format)"),
+        ("sharded", "world of one (gloo): sync and save leave the state"),
+        ("sharded", "2 CPU gloo ranks, mesh (2,): load"),
+        ("sharded", "2 CPU gloo ranks: resharded into two pieces"),
+        ("sharded", "2 CPU gloo ranks: model as saved"),
+        ("sharded", "2 CPU gloo ranks: optimizer state as saved"),
+        ("sharded", "2 CPU gloo ranks: optimizer param_groups as saved"),
     }
     assert {key: rows.get(key, ("missing", ""))[0] for key in checks} == dict.fromkeys(checks, "ok"), out
     assert rows[("sync", "sync: in place")][1] == "128/128 data_ptr kept; parameter objects kept"
@@ -103,6 +112,29 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
         r"[1-9][0-9]* direct, [0-9]+ bucketed; source unchanged",
         rows[("world1/gloo", "BroadcastTransport.send (source's half)")][1],
     )
+    sharded = {step: value for (part, step), (_, value) in rows.items() if part == "sharded"}
+    assert (
+        sharded["world of one (gloo): sync moves nothing"] == "world_size 1, tensor_bytes 0, object_bytes 0"
+    )
+    assert re.fullmatch(
+        r"ckpt-0+1: (?=.*\.metadata)(?=.*__0_0\.distcp)(?=.*manifest\.json).*",
+        sharded["world of one (gloo): save (DCP format)"],
+    ), sharded
+    assert (
+        sharded["2 CPU gloo ranks, mesh (2,): load"]
+        == "checkpoint, tenure 1, written by a world of 1, step 1"
+    )
+    assert sharded["2 CPU gloo ranks: resharded into two pieces"] == "0.weight (33 rows): 17 + 16 rows"
+    # Nine model tensors (two Linears, a BatchNorm's parameters and buffers), Adam's three per parameter.
+    assert sharded["2 CPU gloo ranks: model as saved"] == "9/9 tensors bit for bit"
+    assert sharded["2 CPU gloo ranks: optimizer state as saved"] == "18/18 tensors bit for bit"
+    assert re.fullmatch(
+        r"(\d+)/\1 other values equal", sharded["2 CPU gloo ranks: optimizer param_groups as saved"]
+    )
+    assert re.fullmatch(
+        r"(\d+)/\1 tensors bit for bit, (\d+)/\2 other values equal",
+        sharded["world of one (gloo): sync and save leave the state"],
+    )
     timing = rows[("sync", "time: sync(force=True) vs one flat broadcast")]
     assert timing[0] == "info" and re.search(r"\(gloo, CPU\): [0-9.]+x", timing[1]), timing
     skipped = {key: value for key, (status, value) in rows.items() if status == "SKIPPED"}
@@ -113,26 +145,36 @@ def test_cpu_analogue_runs_every_part_and_names_the_skipped_cuda_parts(tmp_path:
         ("ckpt", "pinned staging"),
         ("ckpt", "load: no GPU copy of the state"),
         ("world1", "NCCL world of one"),
+        ("sharded", "NCCL world of one"),
     }
     assert skipped[("sync", "two ranks under NCCL")] == "one GPU: NCCL refuses two ranks on one device"
     assert all(value.startswith(REASON) for key, value in skipped.items() if key[1] != "two ranks under NCCL")
     assert skipped[("world1", "NCCL world of one")] == f"{REASON}: ran under gloo instead"
+    assert skipped[("sharded", "NCCL world of one")] == f"{REASON}: ran under gloo instead"
     assert f"every value right ({len(checks)} checks)" in out
     assert list(tmp_path.iterdir()) == []  # its checkpoints are removed
 
 
 def test_a_wrong_value_fails_the_check(tmp_path: Path) -> None:
-    rc, out, rows = _run("--parts", "sync,ckpt", "--inject-wrong", "sync,load", tmp_path=tmp_path)
+    rc, out, rows = _run(
+        "--parts", "sync,ckpt,sharded", "--inject-wrong", "sync,load,sharded", tmp_path=tmp_path
+    )
     assert rc == 1, out
     assert rows[("sync", "sync: values equal rank 0's")] == ("WRONG", "127/128 tensors bitwise equal")
     assert rows[("sync", "verify: replicas agree")][0] == "WRONG"  # verify sees the corrupted replica
     assert rows[("ckpt", "load: values equal the async save's")] == ("WRONG", "127/128 tensors bitwise equal")
     assert rows[("sync", "sync: in place")][0] == "ok"  # only the values were corrupted
     assert rows[("ckpt", "load: in place")][0] == "ok"
+    assert rows[("sharded", "2 CPU gloo ranks: model as saved")] == (
+        "WRONG",
+        "8/9 tensors bit for bit; first differing: 0.weight",
+    )
+    assert rows[("sharded", "2 CPU gloo ranks: optimizer state as saved")][0] == "ok"
     assert not any(part == "world1" for part, _ in rows)  # --parts
     last = [line for line in out.splitlines() if line.startswith("gpu_check: ")][-1]  # stderr may follow
     assert "WRONG or ERROR row(s)" in last
     assert "values equal rank 0's" in last and "load: values equal the async save's" in last
+    assert "2 CPU gloo ranks: model as saved" in last
 
 
 def test_parts_and_sizes() -> None:
@@ -141,6 +183,7 @@ def test_parts_and_sizes() -> None:
         script.parse(["--parts", "sync,bogus"])
     assert info.value.code == 2
     assert script.parse(["--parts", "ckpt"]).parts == "ckpt"
+    assert script.PARTS == ("sync", "ckpt", "world1", "sharded")
     sizes = script.param_sizes(8 * 2**20, 10)
     assert len(sizes) == 10 and sizes[1::2] == [script.SMALL_BYTES // 4] * 5
     assert abs(sum(sizes) * 4 - 8 * 2**20) < 4 * 5  # the weights take the rest, to the element
