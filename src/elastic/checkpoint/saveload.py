@@ -305,6 +305,12 @@ def save(
     (``torch.load(weights_only=True)``); only other values go to a cloudpickle file. Fields with
     ``save=False`` are not written.
 
+    A sharded state (FSDP2, HSDP, DTensor fields) is written in the format of
+    ``torch.distributed.checkpoint`` (DCP): the holder of each shard position writes that position's
+    pieces, all in parallel, into one checkpoint published by the same rules (checksums, manifest last,
+    atomic, retention); ``dcp.load(state.state_dict(), checkpoint_id=path)`` reads it too. `path` must be
+    one place every rank sees (a shared filesystem or a URL); ``scope`` must be ``"global"``.
+
     `path` may be an fsspec URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``; needs the
     ``elastic-state[remote]`` extra): the data objects are uploaded first and the manifest last.
 
@@ -591,6 +597,11 @@ def load(
     skipped with a ``RuntimeWarning`` naming the file and the group elects again among the rest.
     ``local()`` fields are never touched; a ``sync=False`` field is restored on the reading rank only.
     ``on_sync`` runs afterwards on every rank. A checkpoint written by another world size loads too.
+
+    A sharded state loads *resharded*: every rank reads the pieces its shards overlap, whatever mesh wrote
+    the checkpoint, each piece verified before use and staged, so a corrupt piece is never loaded (the
+    group falls back to the next checkpoint). The checkpoint must be seen by every rank; one written by
+    plain ``dcp.save`` loads when `path` names it (it carries no tenure and no checksums).
 
     For an fsspec URL only prefixes with a complete, checksum-verified manifest count.
 

@@ -761,6 +761,12 @@ def sync(
     metadata. Modules, optimizers and other stateful objects go through their state dicts. ``on_sync``
     runs on every rank afterwards.
 
+    A sharded state (FSDP2, HSDP, DTensor fields; all on one device mesh spanning `group`) syncs by
+    versions: the most tenured version held at every shard position wins; inside each replica set (the
+    mesh's ``"replicate"`` dimension) whose members lag, its member holding that version broadcasts its
+    pieces into theirs, in place; replica sets that agree move nothing. No complete version raises
+    `SyncError` naming the missing positions, before anything moves.
+
     Without a process group, or with a world of one, it is a local no-op.
 
     Args:

@@ -204,6 +204,9 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
     with the same items in another order, or sets never differ. Costs one pass over the state's bytes
     and one small collective; without a process group it does nothing.
 
+    In a sharded state each piece is compared within its replica set (the ranks at its shard position),
+    the other fields across every rank.
+
     Args:
         state: an instance of an ``@elastic_state`` class.
         group: the process group (None: the default group).
