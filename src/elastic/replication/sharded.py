@@ -265,7 +265,8 @@ def _broadcast_pieces(comm: Comm, local: list[torch.Tensor], src: int, group: An
         if not small:
             return
         flat = [t.reshape(-1).view(torch.uint8) for t in small]
-        buf = torch.cat(flat) if not receive else torch.empty(sum(f.numel() for f in flat), dtype=torch.uint8)
+        n = sum(f.numel() for f in flat)
+        buf = torch.cat(flat) if not receive else torch.empty(n, dtype=torch.uint8, device=small[0].device)
         comm.wait(dist.broadcast(buf, src=src, group=group, async_op=True), phase)
         if receive:
             at = 0
