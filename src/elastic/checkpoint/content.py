@@ -160,6 +160,11 @@ class HashingWriter:
     def size(self) -> int:
         return self._pos + len(self._gathered)
 
+    def chunk_crcs(self) -> list[int]:
+        """The CRC-32 of each chunk written so far, in order (the last one partial)."""
+        self._flush_gathered()
+        return [h.value for h in self._hashes]
+
     def _flush_gathered(self) -> None:
         if self._gathered:
             data = bytes(self._gathered)

@@ -29,6 +29,8 @@ from elastic.checkpoint.storage.base import Misplaced, Storage
 from elastic.state.tenure import order_key
 
 __all__ = [
+    "DCP_LAYOUT",
+    "DCP_METADATA",
     "FORMAT",
     "FORMAT_VERSION",
     "Candidate",
@@ -49,6 +51,9 @@ FORMAT = "elastic-state"
 FORMAT_VERSION = 1
 #: Prefix of checkpoint directory names (the manifest decides; the name only helps listings sort).
 PREFIX = "ckpt-"
+#: The manifest's ``layout`` of a sharded checkpoint (`elastic.checkpoint.dcp`), and DCP's metadata file.
+DCP_LAYOUT = "dcp"
+DCP_METADATA = ".metadata"
 #: A manifest larger than this is not one we wrote.
 MAX_MANIFEST = 64 * 2**20
 
@@ -232,8 +237,10 @@ def validate(directory: Any, storage: Storage) -> Candidate:
     if not (isinstance(objects, list) and all(isinstance(o, dict) for o in objects)):
         raise _bad(mpath, "has a malformed object list")
     files = manifest.get("files")
-    if not isinstance(files, dict) or CONTENT not in files:
-        raise _bad(mpath, f"lists no {CONTENT}")
+    # a sharded checkpoint is in DCP's layout: its metadata file instead of the content file
+    main = DCP_METADATA if manifest.get("layout") == DCP_LAYOUT else CONTENT
+    if not isinstance(files, dict) or main not in files:
+        raise _bad(mpath, f"lists no {main}")
     if bool(objects) != (OBJECTS in files):
         raise _bad(mpath, f"lists objects but no {OBJECTS} (or the reverse)")
     for name, rec in files.items():

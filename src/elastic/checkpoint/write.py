@@ -152,7 +152,7 @@ def stage_copy(tensors: list[torch.Tensor], metas: list[TensorMeta]) -> list[tor
         return out
 
 
-def _retain(options: SaveOptions, written: Any) -> None:
+def retain(options: SaveOptions, written: Any) -> None:
     """Keep the `options.keep` most tenured complete checkpoints, and always `written`."""
     storage, root, keep = options.storage, options.root, options.keep
     if keep is None:
@@ -196,7 +196,7 @@ def write(job: Job) -> Any:
     log.info("save: rank %d wrote %s (tenure %r)", rank, final, job.tenure)
     try:
         fault_point("retain", rank)
-        _retain(job.options, final)
+        retain(job.options, final)
     except Exception as exc:  # the checkpoint is durable; failing to delete old ones is not fatal
         log.warning("save: retention under %s failed: %s: %s", root, type(exc).__name__, exc)
     return final

@@ -22,6 +22,7 @@ from elastic._util.words import ranks_str
 from elastic.replication.collective import Collective, raise_first
 from elastic.replication.comm import Comm, fault_point
 from elastic.replication.layout import Layout, decode_metas, layout_of
+from elastic.replication.sharded import sync_sharded
 from elastic.replication.transport.default import default_transport
 from elastic.replication.transport.protocol import Transport
 from elastic.state.apply import apply_fields, fill_aliases, receive_targets
@@ -29,6 +30,7 @@ from elastic.state.config import StateConfig, attached, config_of
 from elastic.state.lineage import Lineage, lineage, set_lineage
 from elastic.state.nodes import NODE_TYPES, PLAIN, Kind, StateNode
 from elastic.state.schema import compatible, scan_schema, schema_digests, strict_schema
+from elastic.state.shards import is_sharded
 from elastic.state.tensors import TensorMeta, carriers
 from elastic.state.tenure import current, elect
 from elastic.state.tree import Flat, flatten
@@ -471,6 +473,20 @@ def _sync_in(
         )
         if notify and config.on_sync is not None:
             config.on_sync(state, report)
+        return report
+    if is_sharded(state):
+        sender, tenure_, moved, object_bytes = sync_sharded(
+            state, config, group, src=src, force=force, op=op, started=started
+        )
+        report = SyncReport(
+            src=sender,
+            tenure=tenure_,
+            world_size=group.world,
+            tensor_bytes=moved,
+            object_bytes=object_bytes,
+            seconds=time.perf_counter() - started,
+        )
+        _finish(state, config, report, op, notify)
         return report
     mine, sds = _scan(state, config, line, src, with_schema=True)
     records = _elect_records(group, mine, op)

@@ -29,6 +29,7 @@ from elastic.state.nodes import (
     TensorSlot,
     path_str,
 )
+from elastic.state.shards import is_sharded
 from elastic.state.tree import flatten
 
 __all__ = ["digests", "verify"]
@@ -217,6 +218,11 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
     config_of(state, "elastic.verify()")
     collective = Collective.of(group, as_timedelta(timeout, "verify"), "verify")
     if collective.solo:
+        return
+    if is_sharded(state):
+        from elastic.replication.sharded import verify_sharded  # imports this module
+
+        verify_sharded(state, collective)
         return
     try:
         row = _Row(digests(state))

@@ -35,6 +35,7 @@ import attrs
 
 __all__ = [
     "DEL_PREFIX",
+    "Contribution",
     "FOREIGN_STALE_SECONDS",
     "TMP_PREFIX",
     "Entry",
@@ -116,6 +117,24 @@ class Pending(abc.ABC):
     @abc.abstractmethod
     def discard(self) -> None:
         """Remove what this pending checkpoint wrote (after a failure; never raises)."""
+
+    def handle(self) -> Any:
+        """A picklable name of this pending checkpoint, for `Storage.contribute` on other ranks (a sharded
+        save has one writer per shard position writing into one checkpoint)."""
+        msg = f"{type(self).__name__} cannot take files from other ranks"
+        raise NotImplementedError(msg)
+
+
+class Contribution(abc.ABC):
+    """Files another rank adds to a pending checkpoint (`Storage.contribute`); the pending checkpoint's
+    owner seals and publishes it once every contributor has synced its files."""
+
+    @abc.abstractmethod
+    def create(self, name: str) -> Sink:
+        """A new file `name` of the checkpoint."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the contribution holds locally (a spool directory)."""
 
 
 class Storage(abc.ABC):
@@ -207,6 +226,11 @@ class Storage(abc.ABC):
     def retire(self, location: Any) -> None:
         """Delete the published checkpoint at `location` so that no reader sees it half-deleted (logs,
         never raises, when it cannot)."""
+
+    def contribute(self, handle: Any) -> Contribution:
+        """Write files into the pending checkpoint named `handle` (`Pending.handle`, from another rank)."""
+        msg = f"{type(self).__name__} cannot take files from other ranks"
+        raise NotImplementedError(msg)
 
     def settle(self, root: Any) -> None:  # noqa: B027 - optional hook
         """Make the removals under `root` durable (may do nothing)."""

@@ -25,6 +25,7 @@ from elastic.checkpoint.storage.base import (
     DEL_PREFIX,
     FOREIGN_STALE_SECONDS,
     TMP_PREFIX,
+    Contribution,
     Entry,
     Misplaced,
     Pending,
@@ -147,9 +148,29 @@ class LocalPending(Pending):
         shutil.rmtree(self.tmp, ignore_errors=True)
         self._release()
 
+    def handle(self) -> str:
+        return os.fspath(self.tmp)
+
     def _release(self) -> None:
         with _in_use_lock:
             _in_use.discard(str(self.tmp))
+
+
+class LocalContribution(Contribution):
+    """Files written into another rank's pending directory (its owner fsyncs the directory when it seals)."""
+
+    def __init__(self, directory: Path) -> None:
+        if not directory.is_dir():
+            msg = (
+                f"the checkpoint being written at {directory} is not visible on this host: every rank of a "
+                "sharded save writes its pieces into one directory, so the path must be on a filesystem "
+                "every rank shares (or an fsspec URL)"
+            )
+            raise FileNotFoundError(msg)
+        self.directory = directory
+
+    def create(self, name: str) -> Sink:
+        return LocalFile(self.directory / name)
 
 
 class LocalStorage(Storage):
@@ -264,6 +285,9 @@ class LocalStorage(Storage):
         threading.Thread(
             target=shutil.rmtree, args=(doomed, True), name="elastic-retention", daemon=True
         ).start()
+
+    def contribute(self, handle: Any) -> LocalContribution:
+        return LocalContribution(Path(handle))
 
     def settle(self, root: Any) -> None:
         fsync_dir(root)

@@ -45,6 +45,7 @@ from elastic.checkpoint.storage.base import (
     DEL_PREFIX,
     FOREIGN_STALE_SECONDS,
     TMP_PREFIX,
+    Contribution,
     Entry,
     Misplaced,
     Pending,
@@ -344,6 +345,9 @@ class FsspecStorage(Storage):
             with _in_use_lock:
                 _in_use.discard(marker)
 
+    def contribute(self, handle: Any) -> FsspecContribution:
+        return FsspecContribution(self, str(handle))
+
     def retire(self, location: Any) -> None:
         root = posixpath.dirname(_strip(str(location)))
         marker = self.join(root, f"{DEL_PREFIX}{self.name(location)}-{uuid.uuid4().hex[:8]}")
@@ -443,6 +447,21 @@ class SpoolFile(LocalFile):
             os.unlink(self._local)
 
 
+class FsspecContribution(Contribution):
+    """Objects another rank uploads under a pending checkpoint's prefix (spooled locally first)."""
+
+    def __init__(self, storage: FsspecStorage, prefix: str) -> None:
+        self.storage = storage
+        self.prefix = prefix
+        self.spool = tempfile.mkdtemp(prefix="elastic-write-")
+
+    def create(self, name: str) -> Sink:
+        return SpoolFile(self.storage, os.path.join(self.spool, name), self.storage.join(self.prefix, name))
+
+    def close(self) -> None:
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
 class FsspecPending(Pending):
     """A checkpoint uploaded in place under its final prefix; visible once its manifest is uploaded."""
 
@@ -466,6 +485,9 @@ class FsspecPending(Pending):
         name, data = self._manifest
         self.storage.fs.pipe_file(self.storage._p(self.storage.join(self.prefix, name)), data)
         self._finish()
+        return self.prefix
+
+    def handle(self) -> str:
         return self.prefix
 
     def discard(self) -> None:

@@ -1,0 +1,461 @@
+"""`sync` and `verify` of sharded states (FSDP2, DTensor, HSDP): complete versions and replica sets.
+
+A sharded state at tenure t is *complete* when every shard position of its mesh has an untorn holder at
+tenure t (`elastic.state.shards`). The election picks the most tenured complete version (`elect_version`);
+the lowest rank holding it sends the state's non-DTensor leaves (plain tensors, counters, hyperparameters)
+in one cloudpickle payload, and inside every replica set whose members do not all hold that version, its
+lowest member at that version broadcasts its pieces to the others over the set's process group (the mesh's
+``"replicate"`` dimension), straight into the receivers' local tensors. Replica sets that agree move
+nothing; when every rank holds the same version and lineage nothing moves at all (the fast path). No
+complete version: every rank raises the same `SyncError` naming the shard positions nobody holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from elastic._util.errors import DivergenceError, StateMismatchError, SyncError
+from elastic._util.words import ranks_str
+from elastic.replication.collective import Collective, raise_first
+from elastic.replication.comm import Comm, fault_point
+from elastic.replication.verify import _digest_of, _tensor_digest
+from elastic.state.config import StateConfig
+from elastic.state.lineage import lineage, set_lineage
+from elastic.state.nodes import Which, path_str
+from elastic.state.shards import (
+    REPLICATE,
+    Layout,
+    Piece,
+    apply_sharded,
+    layout_of,
+    merge_plain,
+    mesh_of,
+    pieces,
+    plain_leaves,
+    sharded_state_dict,
+)
+from elastic.state.tenure import current, elect, greater, order_key
+
+__all__ = [
+    "ShardRecord",
+    "Version",
+    "check_schemas",
+    "elect_version",
+    "group_layout",
+    "shard_record",
+    "sync_sharded",
+    "verify_sharded",
+]
+
+log = logging.getLogger("elastic")
+
+#: Pieces smaller than this travel coalesced into buckets of at most `BUCKET` bytes; larger ones go
+#: straight into their storage.
+SMALL = 1 << 20
+BUCKET = 16 << 20
+
+
+@attrs.frozen
+class ShardRecord:
+    """What each rank sends in the election all-gather of a sharded sync."""
+
+    tenure: Any = None
+    torn: bool = False
+    token: str | None = None
+    schema: Any = None
+    position: tuple[int, ...] = ()
+    #: per optimizer key path: whether this rank's optimizer has state
+    stateful: tuple[tuple[Any, bool], ...] = ()
+    nbytes: int = 0
+    error: tuple[str, str] | None = None
+
+
+def group_layout(comm: Comm, mesh: Any, op: str) -> tuple[Layout, list[int]]:
+    """The mesh's layout and the global rank of every group rank; `ValueError` unless the mesh holds
+    exactly the group's ranks."""
+    layout = layout_of(mesh)
+    ranks = [comm.global_rank(i) for i in range(comm.world_size)]
+    if sorted(ranks) != sorted(layout.position):
+        msg = (
+            f"{op}: the state's device mesh holds ranks {sorted(layout.position)}, but the group has ranks "
+            f"{sorted(ranks)}; call {op} on the group of the state's mesh (the default group when the mesh "
+            "spans every rank)"
+        )
+        raise ValueError(msg)
+    return layout, ranks
+
+
+def _schema(state: Any, sd: dict[str, Any], layout: Layout) -> Any:
+    """What must agree before anything moves: the class, the mesh and every model piece's key, global
+    shape, dtype and placements (optimizer states are allocated by receivers that lack them)."""
+    rows = tuple(
+        (path_str(p.path), tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
+        for p in pieces(sd)
+        if not _in_optimizer_state(sd, p.path)
+    )
+    return (type(state).__qualname__, tuple(sd), layout.shape, layout.names, rows)
+
+
+def _in_optimizer_state(sd: dict[str, Any], path: tuple[Any, ...]) -> bool:
+    node: Any = sd
+    for i, step in enumerate(path):
+        if isinstance(node, dict) and set(node) >= {"state", "param_groups"} and step == "state" and i:
+            return True
+        node = node[step] if isinstance(node, dict) else None
+    return False
+
+
+def _optimizers(sd: dict[str, Any], path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], bool]]:
+    out: list[tuple[tuple[Any, ...], bool]] = []
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            if set(v) == {"state", "param_groups"}:
+                out.append(((*path, k), bool(v["state"])))
+            else:
+                out.extend(_optimizers(v, (*path, k)))
+    return out
+
+
+def shard_record(
+    state: Any, config: StateConfig, layout: Layout, me: int, which: Which = "sync"
+) -> tuple[ShardRecord, dict[str, Any]]:
+    """This rank's election record (global rank `me`), and the sharded state dict it was taken from."""
+    line = lineage(state)
+    try:
+        tenure = current(state, config, line)
+        sd = sharded_state_dict(state, which)
+        own = pieces(sd)
+        record = ShardRecord(
+            tenure=tenure,
+            torn=line.torn,
+            token=line.token,
+            schema=_schema(state, sd, layout),
+            position=layout.position[me],
+            stateful=tuple(_optimizers(sd)),
+            nbytes=sum(p.local.numel() * p.local.element_size() for p in own),
+        )
+        cloudpickle.dumps(tenure)
+    except Exception as exc:
+        return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}
+    return record, sd
+
+
+def check_schemas(records: Sequence[ShardRecord], op: str) -> None:
+    """Raise the same error on every rank when a rank failed to prepare or the schemas differ."""
+    raise_first(
+        records,
+        lambda r, e: SyncError(f"{op}: rank {r} could not prepare its state: {e[1]}", phase="elect", op=op),
+    )
+    schemas = {repr(r.schema) for r in records}
+    if len(schemas) > 1:
+        by: dict[str, list[int]] = {}
+        for rank, rec in enumerate(records):
+            by.setdefault(repr(rec.schema), []).append(rank)
+        msg = (
+            f"{op}: the ranks hold different sharded states: "
+            + " vs ".join(ranks_str(rs) for rs in by.values())
+            + " (class, fields, mesh shape, or a parameter's global shape, dtype or placement differ); "
+            "build the same model on the same mesh on every rank"
+        )
+        raise StateMismatchError(msg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The election
+
+
+@attrs.frozen
+class Version:
+    """The elected version: its tenure, the rank sending objects, and per shard position its source."""
+
+    tenure: Any
+    src: int
+    sources: dict[tuple[int, ...], int]
+
+
+def elect_version(
+    records: Sequence[ShardRecord], layout: Layout, ranks: Sequence[int], op: str, src: int | None = None
+) -> Version:
+    """The most tenured complete version (group ranks in the result); `src` (a group rank) forces its
+    tenure. Raises the same `TenureError` / `SyncError` on every rank."""
+    tenures = [None if r.torn else r.tenure for r in records]
+    elect(tenures, op)  # the same TenureError everywhere for NaN or incomparable tenures
+    wanted = layout.positions
+    held: dict[Any, dict[tuple[int, ...], int]] = {}
+    keys: dict[Any, Any] = {}
+    for rank, (t, rec) in enumerate(zip(tenures, records)):
+        if t is None:
+            continue
+        k = order_key(t)
+        keys.setdefault(k, t)
+        held.setdefault(k, {}).setdefault(rec.position, rank)
+    complete = [k for k in held if len(held[k]) == len(wanted)]
+    if src is not None:
+        forced = order_key(tenures[src]) if tenures[src] is not None else None
+        if forced not in complete:
+            missing = sorted(set(wanted) - set(held.get(forced, {})))
+            msg = (
+                f"{op}(src={src}): rank {src}'s version (tenure {records[src].tenure!r}"
+                f"{', torn' if records[src].torn else ''}) is not complete: no rank holds shard position(s) "
+                f"{missing} at that tenure; leave src=None to elect the most tenured complete version"
+            )
+            raise SyncError(msg, phase="elect", op=op)
+        best = forced
+    elif not complete:
+        top = max(held, default=None)
+        if top is None:
+            msg = f"{op}: every rank's state is torn or holds no state; there is no version to sync"
+        else:
+            missing = sorted(set(wanted) - set(held[top]))
+            where = ", ".join(f"{pos} on rank(s) {ranks_str(_at(records, pos))}" for pos in missing)
+            msg = (
+                f"{op}: no complete version of the sharded state ({layout.describe()}): the most tenured "
+                f"(tenure {keys[top]!r}) lacks shard position(s) {missing} (held at older tenures or lost: "
+                f"{where}), and no older tenure is held at every position. Nothing was changed. Keep "
+                "replicas (an HSDP mesh with a 'replicate' dimension), or load a checkpoint (elastic.load / "
+                "run(ckpt=...))"
+            )
+        raise SyncError(msg, phase="elect", op=op)
+    else:
+        best = complete[0]
+        for k in complete[1:]:
+            if greater(keys[k], keys[best]):
+                best = k
+    sources = held[best]
+    return Version(tenure=keys[best], src=min(sources.values()), sources=sources)
+
+
+def _at(records: Sequence[ShardRecord], pos: tuple[int, ...]) -> list[int]:
+    return [r for r, rec in enumerate(records) if rec.position == pos]
+
+
+def _identical(records: Sequence[ShardRecord]) -> bool:
+    tokens = {r.token for r in records}
+    return (
+        len(tokens) == 1
+        and None not in tokens
+        and not any(r.torn for r in records)
+        and all(r.tenure == records[0].tenure for r in records)
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Moving pieces
+
+
+def _broadcast_pieces(comm: Comm, local: list[torch.Tensor], src: int, group: Any, receive: bool) -> int:
+    """Broadcast `local` (this rank's pieces) from global rank `src` inside `group`, in place on
+    receivers; small pieces coalesced. Returns the bytes moved."""
+    phase = "pieces"
+    fault_point(phase, comm.rank)
+    moved = 0
+    small: list[torch.Tensor] = []
+
+    def flush() -> None:
+        nonlocal moved
+        if not small:
+            return
+        flat = [t.reshape(-1).view(torch.uint8) for t in small]
+        buf = torch.cat(flat) if not receive else torch.empty(sum(f.numel() for f in flat), dtype=torch.uint8)
+        comm.wait(dist.broadcast(buf, src=src, group=group, async_op=True), phase)
+        if receive:
+            at = 0
+            for t, f in zip(small, flat):
+                n = f.numel()
+                t.copy_(buf[at : at + n].view(t.dtype).view(t.shape))
+                at += n
+        moved += buf.numel()
+        small.clear()
+
+    size = 0
+    for t in local:
+        n = t.numel() * t.element_size()
+        if n == 0:
+            continue
+        if n < SMALL and t.is_contiguous():
+            small.append(t)
+            size += n
+            if size >= BUCKET:
+                flush()
+                size = 0
+            continue
+        target = t if t.is_contiguous() else t.contiguous()
+        comm.wait(dist.broadcast(target, src=src, group=group, async_op=True), phase)
+        if receive and target is not t:
+            t.copy_(target)
+        moved += n
+    flush()
+    return moved
+
+
+def sync_sharded(
+    state: Any,
+    config: StateConfig,
+    group: Collective,
+    *,
+    src: int | None,
+    force: bool,
+    op: str,
+    started: float,
+) -> tuple[int, Any, int, int]:
+    """The sharded sync of `state` in `group` (not solo): (src, tenure, tensor_bytes, object_bytes) for
+    the caller's report, the same on every rank. `started` is when the call began (for the log)."""
+    comm = group.comm
+    assert comm is not None  # the caller handles solo groups
+    with torch.no_grad():
+        mesh = mesh_of(state)
+        layout, ranks = group_layout(comm, mesh, op)
+        me = ranks[comm.rank]
+        record, sd = shard_record(state, config, layout, me)
+        records = group.gather(record, "elect")
+        check_schemas(records, op)
+        if not force and src is None and _identical(records):
+            log.debug("%s: sharded replicas identical (tenure %r)", op, records[0].tenure)
+            return 0, records[0].tenure, 0, 0
+        version = elect_version(records, layout, ranks, op, src)
+        sender = version.src if src is None else src
+        me_pos = layout.position[me]
+        set_source = version.sources[me_pos]
+
+        def lags(rank: int) -> bool:
+            rec = records[rank]
+            source = records[version.sources[rec.position]]
+            return (
+                force
+                or rec.torn
+                or rec.tenure != version.tenure
+                or rec.token is None
+                or rec.token != source.token
+            )
+
+        receiving_sets = {
+            records[r].position
+            for r in range(len(records))
+            if r != version.sources[records[r].position] and lags(r)
+        }
+        receiver = comm.rank != set_source and lags(comm.rank)
+        # Every rank but the sender takes the sender's objects unless it shares the sender's lineage.
+        applies = comm.rank != sender and (
+            receiver or record.token is None or record.token != records[sender].token
+        )
+        if applies:  # torn until the whole version is in (a failure below leaves it so)
+            set_lineage(state, token=None, torn=True)
+        failure: str | None = None
+        object_bytes = 0
+        token = None
+        try:
+            # 1. The objects, from the sender: plain leaves and the new lineage token.
+            data = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex)) if comm.rank == sender else None
+            payload = comm.broadcast_bytes(data, sender, "objects")
+            object_bytes = len(payload)
+            plain, token = cloudpickle.loads(payload)
+            # 2. Targets: a receiver whose optimizer has no state allocates it when the source's has.
+            if receiver and any(
+                not mine and theirs
+                for (_, mine), (_, theirs) in zip(record.stateful, records[sender].stateful)
+            ):
+                sd = sharded_state_dict(state, init_optimizers=True)
+            # 3. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
+            #    such a set has a source, so the mesh has a "replicate" dimension).
+            if me_pos in receiving_sets:
+                rep = mesh.get_group(REPLICATE)
+                own = [p.local for p in pieces(sd) if _needed(p, records[sender].stateful)]
+                _broadcast_pieces(comm, own, ranks[set_source], rep, receive=receiver)
+            # 4. The sender's objects.
+            if applies:
+                apply_sharded(state, merge_plain(sd, plain))
+        except SyncError as exc:
+            failure = str(exc)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        outcome = group.gather(failure, "commit")
+
+        def fail(rank: int, error: str) -> SyncError:
+            msg = (
+                f"{op} of a sharded state failed on rank {rank}: {error}. Ranks that were receiving "
+                "are marked torn (tenure None) until their next successful sync or load; the sources are "
+                "unchanged"
+            )
+            return SyncError(msg, phase="pieces", op=op)
+
+        raise_first(outcome, fail, error_of=lambda e: e)
+        set_lineage(state, token=token, torn=False)
+        moved = 0
+        for r, rec in enumerate(records):
+            if rec.position in receiving_sets and r != version.sources[rec.position] and lags(r):
+                moved += rec.nbytes
+        log.debug("%s: sharded sync moved %d bytes in %.3fs", op, moved, time.perf_counter() - started)
+        return sender, version.tenure, moved, object_bytes
+
+
+def _needed(piece: Piece, stateful: tuple[tuple[Any, bool], ...]) -> bool:
+    """Whether a piece travels: optimizer state pieces only where the sender's optimizer has state."""
+    return not any(piece.path[: len(path)] == path and not has for path, has in stateful)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verify
+
+
+@attrs.frozen
+class _Digests:
+    position: tuple[int, ...] | None
+    pieces: dict[str, str] | None
+    plain: dict[str, str] | None
+    error: str | None = None
+
+
+def verify_sharded(state: Any, group: Collective) -> None:
+    """`verify` of a sharded state: each piece within its replica set, the other leaves on every rank."""
+    comm = group.comm
+    assert comm is not None
+    try:
+        mesh = mesh_of(state)
+        layout, ranks = group_layout(comm, mesh, "verify")
+        sd = sharded_state_dict(state)
+        row = _Digests(
+            position=layout.position[ranks[comm.rank]],
+            pieces={path_str(p.path): _tensor_digest(p.local) for p in pieces(sd)},
+            plain={path_str((k,)): _digest_of(v) for k, v in plain_leaves(sd).items()},
+        )
+    except Exception as exc:
+        row = _Digests(None, None, None, f"{type(exc).__name__}: {exc}")
+    rows = group.gather(row, "verify")
+    raise_first(
+        rows, lambda r, e: SyncError(f"verify: rank {r} could not digest its state: {e}", phase="verify")
+    )
+    lines: list[str] = []
+    _compare([(r, row.plain or {}) for r, row in enumerate(rows)], "", lines)
+    by_pos: dict[Any, list[tuple[int, dict[str, str]]]] = {}
+    for r, row in enumerate(rows):
+        by_pos.setdefault(row.position, []).append((r, row.pieces or {}))
+    for pos, members in sorted(by_pos.items()):
+        _compare(members, f" (shard position {pos})", lines)
+    if lines:
+        msg = (
+            f"verify: the replicas differ in {len(lines)} place(s):\n"
+            + "\n".join(lines[:50])
+            + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
+            + "\nPieces are compared within their replica set, other fields on every rank. Run "
+            "elastic.sync(state, force=True) to make every replica hold the most tenured version."
+        )
+        raise DivergenceError(msg)
+
+
+def _compare(members: list[tuple[int, dict[str, str]]], where: str, lines: list[str]) -> None:
+    keys = list(dict.fromkeys(k for _, table in members for k in table))
+    for key in keys:
+        groups: dict[str, list[int]] = {}
+        for rank, table in members:
+            groups.setdefault(table.get(key, "missing"), []).append(rank)
+        if len(groups) > 1:
+            lines.append(f"  {key}{where}: " + " vs ".join(ranks_str(rs) for rs in groups.values()))
