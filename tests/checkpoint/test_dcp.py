@@ -180,6 +180,16 @@ def _load(rank: int, world: int, root: str, then_save: str | None) -> dict[str, 
     rep = elastic.load(s, root)
     out: dict[str, Any] = {"report": (rep.source, rep.tenure, rep.saved_world_size), "full": full(s)}
     elastic.verify(s)
+    if world == 2:  # a replicated state skips sharded checkpoints, and refuses one named alone
+        from golden_state import build as replicated
+
+        plain = replicated()
+        out["replicated_root"] = elastic.load(plain, root).source
+        try:
+            elastic.load(plain, rep.path)
+            out["replicated_named"] = None
+        except elastic.CheckpointMismatchError as exc:
+            out["replicated_named"] = str(exc)
     if then_save is not None:
         train(s, 1)
         elastic.save(s, then_save)
@@ -301,6 +311,9 @@ def test_a_2x2_checkpoint_loads_resharded_onto_two_ranks(four: Any) -> None:
     for r in loaded:
         assert r["report"] == ("checkpoint", 5, 4)
         assert differences(results[0]["final"][1], r["full"]) == []
+        assert r["replicated_root"] == "memory"
+        text = r["replicated_named"]
+        assert text is not None and "holds a sharded state" in text and "fully_shard" in text
 
 
 def test_a_checkpoint_of_three_ranks_loads_onto_five(three: Any) -> None:

@@ -38,6 +38,7 @@ from elastic._util.timeouts import as_timedelta
 from elastic.checkpoint import read as _r
 from elastic.checkpoint import write as _w
 from elastic.checkpoint.manifest import (
+    DCP_LAYOUT,
     InvalidCheckpoint,
     is_checkpoint_dir,
     scan,
@@ -492,9 +493,21 @@ def _load_record(state: Any, config: StateConfig, options: LoadOptions) -> _Load
             except InvalidCheckpoint as exc:
                 skipped("load", str(exc))
                 return _LoadRecord(tenure=value, single=True, corrupt=(str(exc),))
+            if c.manifest.get("layout") == DCP_LAYOUT:
+                msg = (
+                    f"load: {root} holds a sharded state (written in DCP's layout by a state with DTensors); "
+                    "this state is replicated: build the model sharded (fully_shard on a device mesh) to "
+                    "load it, or load a checkpoint of a replicated state"
+                )
+                return _LoadRecord(tenure=value, error=("mismatch", msg))
             seen: tuple[_Seen, ...] = (_Seen(c.tenure, c.created_ns, str(c.path), c.world_size),)
             return _LoadRecord(tenure=value, seen=seen, single=True)
-        found = scan(root, storage=storage, op="load")
+        found = []
+        for c in scan(root, storage=storage, op="load"):
+            if c.manifest.get("layout") == DCP_LAYOUT:
+                log.info("load: %s holds a sharded state, not a replicated one: skipped", c.path)
+            else:
+                found.append(c)
     except Exception as exc:
         text = storage.explain(exc) or f"{type(exc).__name__}: {exc}"
         return _LoadRecord(tenure=value, error=("scan", f"cannot list {root}: {text}"))
@@ -527,6 +540,8 @@ def _scan_failure(world: int) -> Callable[[int, tuple[str, str]], CheckpointErro
                 f"load: the tenure callable failed{where} ({text}); make it return an orderable value or None"
             )
             return TenureError(msg)
+        if kind == "mismatch":
+            return CheckpointMismatchError(f"{text}{where}")
         return CheckpointError(f"load: {text}{where}")
 
     return fail
