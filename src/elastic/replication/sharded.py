@@ -1,4 +1,4 @@
-"""`sync` and `verify` of sharded states (FSDP2, DTensor, HSDP): complete versions and replica sets.
+"""`sync` of sharded states (FSDP2, DTensor, HSDP): complete versions and replica sets.
 
 A sharded state at tenure t is *complete* when every shard position of its mesh has an untorn holder at
 tenure t (`elastic.state.shards`). The election picks the most tenured complete version (`elect_version`);
@@ -23,11 +23,10 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from elastic._util.errors import DivergenceError, StateMismatchError, SyncError
+from elastic._util.errors import StateMismatchError, SyncError
 from elastic._util.words import ranks_str
 from elastic.replication.collective import Collective, raise_first
 from elastic.replication.comm import Comm, fault_point
-from elastic.replication.verify import _digest_of, _tensor_digest
 from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import Which, path_str
@@ -53,7 +52,6 @@ __all__ = [
     "group_layout",
     "shard_record",
     "sync_sharded",
-    "verify_sharded",
 ]
 
 log = logging.getLogger("elastic")
@@ -401,62 +399,3 @@ def sync_sharded(
 def _needed(piece: Piece, stateful: tuple[tuple[Any, bool], ...]) -> bool:
     """Whether a piece travels: optimizer state pieces only where the sender's optimizer has state."""
     return not any(piece.path[: len(path)] == path and not has for path, has in stateful)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# verify
-
-
-@attrs.frozen
-class _Digests:
-    position: tuple[int, ...] | None
-    pieces: dict[str, str] | None
-    plain: dict[str, str] | None
-    error: str | None = None
-
-
-def verify_sharded(state: Any, group: Collective) -> None:
-    """`verify` of a sharded state: each piece within its replica set, the other leaves on every rank."""
-    comm = group.comm
-    assert comm is not None
-    try:
-        mesh = mesh_of(state)
-        layout, ranks = group_layout(comm, mesh, "verify")
-        sd = sharded_state_dict(state)
-        row = _Digests(
-            position=layout.position[ranks[comm.rank]],
-            pieces={path_str(p.path): _tensor_digest(p.local) for p in pieces(sd)},
-            plain={path_str((k,)): _digest_of(v) for k, v in plain_leaves(sd).items()},
-        )
-    except Exception as exc:
-        row = _Digests(None, None, None, f"{type(exc).__name__}: {exc}")
-    rows = group.gather(row, "verify")
-    raise_first(
-        rows, lambda r, e: SyncError(f"verify: rank {r} could not digest its state: {e}", phase="verify")
-    )
-    lines: list[str] = []
-    _compare([(r, row.plain or {}) for r, row in enumerate(rows)], "", lines)
-    by_pos: dict[Any, list[tuple[int, dict[str, str]]]] = {}
-    for r, row in enumerate(rows):
-        by_pos.setdefault(row.position, []).append((r, row.pieces or {}))
-    for pos, members in sorted(by_pos.items()):
-        _compare(members, f" (shard position {pos})", lines)
-    if lines:
-        msg = (
-            f"verify: the replicas differ in {len(lines)} place(s):\n"
-            + "\n".join(lines[:50])
-            + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
-            + "\nPieces are compared within their replica set, other fields on every rank. Run "
-            "elastic.sync(state, force=True) to make every replica hold the most tenured version."
-        )
-        raise DivergenceError(msg)
-
-
-def _compare(members: list[tuple[int, dict[str, str]]], where: str, lines: list[str]) -> None:
-    keys = list(dict.fromkeys(k for _, table in members for k in table))
-    for key in keys:
-        groups: dict[str, list[int]] = {}
-        for rank, table in members:
-            groups.setdefault(table.get(key, "missing"), []).append(rank)
-        if len(groups) > 1:
-            lines.append(f"  {key}{where}: " + " vs ".join(ranks_str(rs) for rs in groups.values()))

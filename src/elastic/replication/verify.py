@@ -18,7 +18,8 @@ import torch
 from elastic._util.errors import DivergenceError, SyncError
 from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
-from elastic.replication.collective import Collective
+from elastic.replication.collective import Collective, raise_first
+from elastic.replication.sharded import group_layout
 from elastic.state.config import config_of
 from elastic.state.nodes import (
     ContainerNode,
@@ -29,7 +30,7 @@ from elastic.state.nodes import (
     TensorSlot,
     path_str,
 )
-from elastic.state.shards import is_sharded
+from elastic.state.shards import is_sharded, mesh_of, pieces, plain_leaves, sharded_state_dict
 from elastic.state.tree import flatten
 
 __all__ = ["digests", "verify"]
@@ -223,8 +224,6 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
     if collective.solo:
         return
     if is_sharded(state):
-        from elastic.replication.sharded import verify_sharded  # imports this module
-
         verify_sharded(state, collective)
         return
     try:
@@ -256,3 +255,62 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
         )
         raise DivergenceError(msg) from None
     log.debug("verify: %d ranks agree on %d fields and tensors", len(rows), len(keys))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verify
+
+
+@attrs.frozen
+class _Digests:
+    position: tuple[int, ...] | None
+    pieces: dict[str, str] | None
+    plain: dict[str, str] | None
+    error: str | None = None
+
+
+def verify_sharded(state: Any, group: Collective) -> None:
+    """`verify` of a sharded state: each piece within its replica set, the other leaves on every rank."""
+    comm = group.comm
+    assert comm is not None
+    try:
+        mesh = mesh_of(state)
+        layout, ranks = group_layout(comm, mesh, "verify")
+        sd = sharded_state_dict(state)
+        row = _Digests(
+            position=layout.position[ranks[comm.rank]],
+            pieces={path_str(p.path): _tensor_digest(p.local) for p in pieces(sd)},
+            plain={path_str((k,)): _digest_of(v) for k, v in plain_leaves(sd).items()},
+        )
+    except Exception as exc:
+        row = _Digests(None, None, None, f"{type(exc).__name__}: {exc}")
+    rows = group.gather(row, "verify")
+    raise_first(
+        rows, lambda r, e: SyncError(f"verify: rank {r} could not digest its state: {e}", phase="verify")
+    )
+    lines: list[str] = []
+    _compare([(r, row.plain or {}) for r, row in enumerate(rows)], "", lines)
+    by_pos: dict[Any, list[tuple[int, dict[str, str]]]] = {}
+    for r, row in enumerate(rows):
+        by_pos.setdefault(row.position, []).append((r, row.pieces or {}))
+    for pos, members in sorted(by_pos.items()):
+        _compare(members, f" (shard position {pos})", lines)
+    if lines:
+        msg = (
+            f"verify: the replicas differ in {len(lines)} place(s):\n"
+            + "\n".join(lines[:50])
+            + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
+            + "\nPieces are compared within their replica set, other fields on every rank. Run "
+            "elastic.sync(state, force=True) to make every replica hold the most tenured version."
+        )
+        raise DivergenceError(msg)
+
+
+def _compare(members: list[tuple[int, dict[str, str]]], where: str, lines: list[str]) -> None:
+    keys = list(dict.fromkeys(k for _, table in members for k in table))
+    for key in keys:
+        groups: dict[str, list[int]] = {}
+        for rank, table in members:
+            groups.setdefault(table.get(key, "missing"), []).append(rank)
+        if len(groups) > 1:
+            lines.append(f"  {key}{where}: " + " vs ".join(ranks_str(rs) for rs in groups.values()))
