@@ -98,7 +98,7 @@ def sizes_for(total_bytes: int, count: int) -> list[int]:
 # Receiver memory from /proc (Linux)
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -221,12 +221,12 @@ def time_one(fn: Callable[[], None], key: str) -> tuple[float, float, float, flo
     gc.collect()
     trim_heap()
     reset_high_water()
-    rss = _status_kib("VmRSS")
+    rss = status_kib("VmRSS")
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    rise = (_status_kib("VmHWM") - rss) * 1024.0
+    rise = (status_kib("VmHWM") - rss) * 1024.0
     kept = kept_by(key)
     mine = torch.tensor([seconds, cpu, rise, kept], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
