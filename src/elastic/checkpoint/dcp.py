@@ -33,6 +33,7 @@ import attrs
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint._traverse import get_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -319,7 +320,11 @@ def _stage(data: Any, copy: bool) -> Any:
     """A write item's data as the writer will see it: tensors detached (copied to CPU for an async save)."""
     if isinstance(data, torch.Tensor):
         t = data.detach()
-        return t.to("cpu", copy=True) if copy or t.device.type != "cpu" else t
+        if copy or t.device.type != "cpu":
+            return t.to("cpu", copy=True)
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view: torch.save writes its
+            return t.clone()  # whole storage (as DCP does, copy it out)
+        return t
     return data
 
 
@@ -453,15 +458,14 @@ def _read_pieces(
                 if rec is None or "crc32" not in rec:
                     raise _Corrupt(f"{name} is not listed in the manifest")
             with storage.open_read(storage.join(directory, name)) as f:
+                verifier = _Verifier(f, rec, name) if rec is not None else None
                 for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
                     info = md.storage_data[req.storage_index]
-                    if rec is None:
+                    if verifier is None:
                         f.seek(info.offset)
                         data = memoryview(f.read(info.length))
                     else:
-                        data = _verified(
-                            f, info.offset, info.length, rec["chunk"], rec["crc32"], rec["size"], name
-                        )
+                        data = verifier.read(info.offset, info.length)
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(data))
                         continue
@@ -477,29 +481,85 @@ def _read_pieces(
                     planner.commit_tensor(req, target)
 
 
-def _verified(
-    f: Any, offset: int, length: int, chunk: int, crcs: list[int], size: int, name: str
-) -> memoryview:
-    """Bytes [offset, offset+length) of `f`, after checking every chunk they touch."""
-    first, last = offset // chunk, (offset + length - 1) // chunk if length else offset // chunk
-    start, stop = first * chunk, min((last + 1) * chunk, size)
-    f.seek(start)
-    buf = bytearray(stop - start)
-    view = memoryview(buf)
-    got = 0
-    while got < len(buf):
-        n = f.readinto(view[got:])
-        if not n:
-            raise _Corrupt(f"{name} is shorter than the manifest says")
-        got += n
-    for k in range(first, last + 1):
-        a = (k - first) * chunk
-        piece = view[a : min(a + chunk, len(buf))]
-        if k >= len(crcs) or zlib.crc32(piece) != crcs[k]:
-            raise _Corrupt(
-                f"{name}: chunk {k} (bytes {k * chunk}-{k * chunk + len(piece)}) fails its checksum"
-            )
-    return view[offset - start : offset - start + length]
+class _Verifier:
+    """Reads of one checkpoint file, each 2 MiB chunk's CRC-32 checked once per load before its bytes are
+    used (pieces sorted by offset share their boundary chunks)."""
+
+    def __init__(self, f: Any, rec: dict[str, Any], name: str) -> None:
+        self.f = f
+        self.chunk = int(rec["chunk"])
+        self.crcs = rec["crc32"]
+        self.size = int(rec["size"])
+        self.name = name
+        self.verified: set[int] = set()
+
+    def read(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset+length), every chunk they touch verified."""
+        chunk = self.chunk
+        first = offset // chunk
+        last = (offset + length - 1) // chunk if length else first
+        start, stop = first * chunk, min((last + 1) * chunk, self.size)
+        self.f.seek(start)
+        buf = bytearray(stop - start)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = self.f.readinto(view[got:])
+            if not n:
+                raise _Corrupt(f"{self.name} is shorter than the manifest says")
+            got += n
+        for k in range(first, last + 1):
+            if k in self.verified:
+                continue
+            a = (k - first) * chunk
+            piece = view[a : min(a + chunk, len(buf))]
+            if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
+                raise _Corrupt(
+                    f"{self.name}: chunk {k} (bytes {k * chunk}-{k * chunk + len(piece)}) fails its checksum"
+                )
+            self.verified.add(k)
+        return view[offset - start : offset - start + length]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and nothing else: its own classes, torch's sizes, dtypes and layouts, a
+    few plain containers. Anything else (code a crafted ``.metadata`` would run) is refused."""
+
+    _MODULES = ("torch.distributed.checkpoint.",)
+    _NAMES = frozenset(
+        {
+            ("torch.serialization", "_get_layout"),
+            ("torch", "Size"),
+            ("collections", "OrderedDict"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("builtins", "slice"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in self._NAMES or module.startswith(self._MODULES)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            msg = f"DCP metadata refers to {module}.{name}, which DCP's metadata never holds"
+            raise pickle.UnpicklingError(msg)
+        return super().find_class(module, name)
+
+
+class _UntrustedMetadata(Exception):
+    pass
+
+
+def _load_metadata(raw: bytes, trusted: bool, where: Any) -> Metadata:
+    """DCP's pickled ``.metadata``: unpickled in full only when the caller trusts the checkpoint."""
+    if trusted:
+        return pickle.loads(raw)  # the caller trusts this checkpoint
+    try:
+        return _MetadataUnpickler(io.BytesIO(raw)).load()
+    except pickle.UnpicklingError as exc:
+        msg = f"{where}: {exc}; pass trusted=True only if you trust this checkpoint"
+        raise _UntrustedMetadata(msg) from exc
 
 
 def _staging(sd: Any) -> Any:
@@ -605,7 +665,20 @@ def load_sharded(
         verdicts = g.gather(verdict, "load-read")
         bad = [(r, v) for r, v in enumerate(verdicts) if v.kind != "ok"]
         if not bad:
-            apply_sharded(state, stage, "save")
+            set_lineage(state, token=None, torn=True)  # until every rank has applied it
+            try:
+                apply_sharded(state, stage, "save")
+                failed = None
+            except Exception as exc:
+                failed = f"{type(exc).__name__}: {exc}"
+            outcomes = g.gather(failed, "load-apply")
+            for r, e in enumerate(outcomes):
+                if e is not None:
+                    msg = (
+                        f"load: applying {cand.path} failed on rank {r}: {e}; the state is torn (tenure "
+                        "None) until its next successful load or sync"
+                    )
+                    raise CheckpointError(msg)
             token = f"load:{cand.path}:{cand.created_ns}"
             set_lineage(state, token=token, torn=False)
             tenure = current(state, config, lineage(state)) if cand.plain else cand.tenure
@@ -662,14 +735,20 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             )
         ):
             return _Verdict("corrupt", f"{METADATA} fails its checksum"), None
-        md = pickle.loads(raw)  # DCP's metadata (pickled, as DCP reads it): checksummed when we wrote it
-        stage = _staging(sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md)))
+        md = _load_metadata(raw, options.trusted, cand.path)
+        live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
+        stage = _staging(live)
         planner = _LoadPlanner(options.trusted, options.strict)
         planner.set_up_planner(stage, md, False)
         try:
             plan = planner.finish_plan(planner.create_local_plan())
         except Exception as exc:
             return _Verdict("mismatch", f"{cand.path} does not match the state: {exc}"), None
+        if not options.strict:  # what the checkpoint lacks keeps its current value, not the staging's
+            saved = set(md.state_dict_metadata)
+            for key, where in planner.mappings.items():
+                if key not in saved:
+                    set_element(stage, where, get_element(live, where))
         _read_pieces(storage, directory, manifest, plan, planner, md)
         if planner.refused:
             return _Verdict(
@@ -678,6 +757,8 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
                 "for checkpoints you trust",
             ), None
         return _Verdict(), planner.original_state_dict
+    except _UntrustedMetadata as exc:
+        return _Verdict("untrusted", str(exc)), None
     except _Corrupt as exc:
         return _Verdict("corrupt", str(exc)), None
     except InvalidCheckpoint as exc:

@@ -150,6 +150,7 @@ def decide(
     min_workers: int,
     max_workers: int,
     quiet: bool,
+    fit: Callable[[int], int] | None = None,
 ) -> tuple[str, ...] | None:
     """The membership to propose for a round, or None to wait.
 
@@ -162,7 +163,8 @@ def decide(
     ids carry (`ranked`). The round closes as soon as every live
     previous member has joined and every live joiner is ready (no wait for the dead); a round no
     previous member has joined (the first, or after every member died) closes after a quiet last call,
-    so that workers starting together form one generation.
+    so that workers starting together form one generation. `fit(n)`: how many of `n` chosen workers a
+    generation uses (a sharded state's mesh); the others stay out, as spares of the next round.
     """
     candidates = [p for p in events.joined if ready(p)]
     ordered = [p for p in prev if p in candidates] + [p for p in candidates if p not in prev]
@@ -173,12 +175,19 @@ def decide(
     if unsure and len(ordered) < max_workers:
         return None
     if len(ordered) >= max_workers:
-        return ranked(ordered[:max_workers])
+        return ranked(_fitted(ordered[:max_workers], fit))
     if len(ordered) < min_workers:
         return None
     if not any(p in prev for p in ordered) and not quiet:
         return None
-    return ranked(ordered)
+    return ranked(_fitted(ordered, fit))
+
+
+def _fitted(ordered: list[str], fit: Callable[[int], int] | None) -> list[str]:
+    """The first `fit(len(ordered))` of `ordered` (previous members come first there)."""
+    if fit is None:
+        return ordered
+    return ordered[: max(1, min(len(ordered), fit(len(ordered))))]
 
 
 def order_of(p: str) -> int | None:
@@ -199,7 +208,9 @@ def ranked(chosen: list[str]) -> tuple[str, ...]:
     return tuple(p for _, p in sorted(enumerate(chosen), key=key))
 
 
-def pending_from(raw: bytes, members: tuple[str, ...], max_workers: int) -> bool:
+def pending_from(
+    raw: bytes, members: tuple[str, ...], max_workers: int, fit: Callable[[int], int] | None = None
+) -> bool:
     """Should generation `members` end at its next check, seen from the next round's log `raw`?
 
     Yes when the next round is decided (this generation is stale) or the run finished, when a member
@@ -210,7 +221,12 @@ def pending_from(raw: bytes, members: tuple[str, ...], max_workers: int) -> bool
         return True
     if any(p in ev.left or p in ev.announced or p in ev.joined for p in members):
         return True
-    return bool(ev.joined) and len(members) < max_workers
+    if not ev.joined or len(members) >= max_workers:
+        return False
+    if fit is None:
+        return True
+    # a sharded state's mesh may have no use for the newcomers (spares): the generation goes on
+    return fit(min(max_workers, len(members) + len(ev.joined))) > len(members)
 
 
 @attrs.frozen
@@ -349,6 +365,7 @@ class Rendezvous:
         expiry: timedelta | None = None,
         grace: timedelta | None = None,
         last_call: timedelta | None = None,
+        fit: Callable[[int], int] | None = None,
     ) -> None:
         if not participant or any(c in participant for c in ",/") or participant[0] in "+-~":
             msg = (
@@ -377,6 +394,7 @@ class Rendezvous:
         self.expiry = _seconds(expiry) if expiry is not None else 6 * self.period
         self.grace = _seconds(grace) if grace is not None else 5 * self.expiry
         self.last_call = _seconds(last_call) if last_call is not None else 1.0
+        self.fit = fit
         self._base = store
         self._store = dist.PrefixStore(f"elastic/{run_id}/", store)
         self._beat_store: dist.Store | None = None
@@ -468,7 +486,11 @@ class Rendezvous:
                 joined_at = j.round
             if j.phase == "poll" and j == before:
                 if time.monotonic() > deadline:
-                    raise self._join_timeout_error(j, view)
+                    if self.fit is not None and any(p in view.alive for p in view.prev):
+                        # a spare: a generation trains without it; it waits for the next change
+                        deadline = time.monotonic() + self.join_timeout
+                    else:
+                        raise self._join_timeout_error(j, view)
                 time.sleep(min(0.02, self.period / 2))
         if j.finished:
             log.debug("rendezvous: %s: the run is finished, nothing to join", self.participant)
@@ -638,6 +660,7 @@ class Rendezvous:
                 min_workers=self.first_workers if n == 0 else self.min_workers,
                 max_workers=self.max_workers,
                 quiet=now - view.changed >= self.last_call,
+                fit=self.fit,
             )
 
         return propose
@@ -717,7 +740,7 @@ class Rendezvous:
             return
         self._observe(store, [p for p in members if p != self.participant])
         raw = read(cast(Ops, store), log_key(generation + 1))
-        pending = pending_from(raw, members, self.max_workers)
+        pending = pending_from(raw, members, self.max_workers, self.fit)
         with self._lock:
             if self._generation == generation:
                 self._pending = pending

@@ -64,11 +64,12 @@ from elastic._util.errors import ElasticError, SyncError
 from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
+from elastic.recovery.builder import Built, MeshPlan
 from elastic.recovery.fork import install as release_connections_in_forked_children
 from elastic.recovery.rendezvous import Rendezvous
 from elastic.recovery.store import connect, format_address, parse_address
 from elastic.replication.sync import sync, tenure
-from elastic.state.config import config_of
+from elastic.state.config import config_of, is_elastic_state
 from elastic.state.tree import tensor_index
 
 __all__ = ["World", "run"]
@@ -729,6 +730,12 @@ def _start(state: Any, ckpt: Any, timeout: timedelta) -> tuple[int, Any]:
     return sync_report.src, sync_report.tenure
 
 
+def _backend(state: Any, built: Built | None) -> str:
+    if built is not None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if _uses_cuda(state) else "gloo"
+
+
 def _tenure_now(state: Any) -> Any:
     try:
         return tenure(state)
@@ -749,6 +756,8 @@ def run(
     timeout: timedelta | float | None = None,
     join_timeout: timedelta | float | None = None,
     check_every: int = 1,
+    mesh: Callable[[int], tuple[int, ...]] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
 ) -> Any:
     """Run ``fn(state, world)`` in generations that survive failures; call it in every worker process.
 
@@ -807,7 +816,20 @@ def run(
     """
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
     release_connections_in_forked_children()
-    config_of(state, "elastic.run()")
+    built: Built | None = None
+    if callable(state) and not is_elastic_state(state):  # a builder: a sharded state on each mesh
+        plan = MeshPlan(mesh if mesh is not None else (lambda n: (n,)), mesh_dim_names)
+        built = Built(
+            build=state, plan=plan, ckpt=ckpt, timeout=as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
+        )
+    else:
+        config_of(state, "elastic.run()")
+        if mesh is not None or mesh_dim_names is not None:
+            msg = (
+                "elastic.run(fn, state, mesh=...): a mesh needs a builder, run(fn, build, mesh=...), where "
+                "build(world) makes the sharded state on world.mesh"
+            )
+            raise TypeError(msg)
     if dist.is_initialized():
         raise ElasticError(_GROUP_EXISTS)
     td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
@@ -826,19 +848,21 @@ def run(
         join_timeout=join_td,
         timeout=td,
         address=format_address(host, port),
+        fit=built.plan.fit if built is not None else None,
     )
     try:
         with _Departure() as departure:
             loop = _Loop(
                 fn=fn,
-                state=state,
+                state=None if built is not None else state,
                 store=store,
                 rendezvous=rendezvous,
                 departure=departure,
-                backend="nccl" if _uses_cuda(state) else "gloo",
+                backend=_backend(state, built),
                 ckpt=ckpt,
                 timeout=td,
                 check_every=check_every,
+                built=built,
             )
             return loop.run()
     finally:
@@ -893,6 +917,7 @@ class _Loop:
     ckpt: Any
     timeout: timedelta
     check_every: int
+    built: Built | None = None
     stalls: _Stalls = attrs.field(factory=lambda: _Stalls(STALL_LIMIT))
     ended_at: float = attrs.field(factory=time.monotonic)
 
@@ -950,7 +975,11 @@ class _Loop:
         try:
             live.start()
             self.rendezvous.progress()
-            src, started_at = _start(self.state, self.ckpt, self.timeout)
+            if self.built is not None:
+                src, started_at = self.built.start(live.world)
+                self.state = self.built.state
+            else:
+                src, started_at = _start(self.state, self.ckpt, self.timeout)
             clear_grads(self.state)
             self.rendezvous.progress()
             log.info(
@@ -965,6 +994,7 @@ class _Loop:
             result = self.fn(self.state, live.world)
         except _EndGeneration as end:
             self.ended_at = time.monotonic()
+            self._release_state()
             live.release()
             if not end.leaving:
                 _announce(self.rendezvous)
@@ -978,6 +1008,7 @@ class _Loop:
             return _AGAIN
         except BaseException as exc:
             self.ended_at = time.monotonic()
+            self._release_state()
             live.release()
             _strip(exc)
             return self.failed(exc, live, gen, membership, started_at)
@@ -985,6 +1016,16 @@ class _Loop:
         self.rendezvous.finish()
         live.end(abort=False)
         return result
+
+    def _release_state(self) -> None:
+        """A builder's state: its pieces kept, the state (and its hold on the groups) dropped."""
+        if self.built is not None:
+            try:
+                self.built.release()
+            except Exception as exc:  # the next generation reads what is left (or ckpt)
+                log.warning("run: keeping the pieces of the ended generation failed: %s", exc)
+                self.built.state = None
+            self.state = None
 
     def failed(
         self, exc: BaseException, live: _Live, gen: _Generation, membership: Any, started_at: Any

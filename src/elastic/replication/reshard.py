@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -268,13 +269,15 @@ def reshard(new_state: Any, held: Held | None, group: Collective) -> tuple[Any, 
                     at += n
             received = at
         # The sender's plain leaves.
-        data = cloudpickle.dumps(held.plain) if me == sender and held is not None else None
+        token = uuid.uuid4().hex
+        data = cloudpickle.dumps((held.plain, token)) if me == sender and held is not None else None
         if comm is not None:
-            plain = cloudpickle.loads(comm.broadcast_bytes(data, sender, "reshard-objects"))
+            plain, token = cloudpickle.loads(comm.broadcast_bytes(data, sender, "reshard-objects"))
         else:
             assert held is not None  # a world of one holds the elected version
             plain = held.plain
         apply_sharded(new_state, merge_plain(sd, plain))
+    set_lineage(new_state, token=token, torn=False)
     return tenure, received, sender
 
 

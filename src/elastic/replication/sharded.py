@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -252,28 +252,46 @@ def _identical(records: Sequence[ShardRecord]) -> bool:
 
 def _broadcast_pieces(comm: Comm, local: list[torch.Tensor], src: int, group: Any, receive: bool) -> int:
     """Broadcast `local` (this rank's pieces) from global rank `src` inside `group`, in place on
-    receivers; small pieces coalesced. Returns the bytes moved."""
+    receivers; small pieces coalesced into buckets. Every broadcast is issued before the first is waited
+    for (gloo and NCCL run them back to back; waiting for each costs a round trip per piece); at most two
+    buckets are in flight. Returns the bytes moved."""
     phase = "pieces"
     fault_point(phase, comm.rank)
     moved = 0
     small: list[torch.Tensor] = []
+    inflight: list[tuple[Any, Callable[[], None]]] = []  # (work, what to do once it is done)
+    buckets = 0
+
+    def settle(keep: int) -> None:
+        while len(inflight) > keep:
+            work, then = inflight.pop(0)
+            comm.wait(work, phase)
+            then()
 
     def flush() -> None:
-        nonlocal moved
+        nonlocal moved, buckets
         if not small:
             return
-        flat = [t.reshape(-1).view(torch.uint8) for t in small]
-        n = sum(f.numel() for f in flat)
-        buf = torch.cat(flat) if not receive else torch.empty(n, dtype=torch.uint8, device=small[0].device)
-        comm.wait(dist.broadcast(buf, src=src, group=group, async_op=True), phase)
-        if receive:
-            at = 0
-            for t, f in zip(small, flat):
-                n = f.numel()
-                t.copy_(buf[at : at + n].view(t.dtype).view(t.shape))
-                at += n
-        moved += buf.numel()
+        members = list(small)
         small.clear()
+        flat = [t.reshape(-1).view(torch.uint8) for t in members]
+        n = sum(f.numel() for f in flat)
+        buf = torch.cat(flat) if not receive else torch.empty(n, dtype=torch.uint8, device=members[0].device)
+
+        def unpack() -> None:
+            if receive:
+                at = 0
+                for t, f in zip(members, flat):
+                    k = f.numel()
+                    t.copy_(buf[at : at + k].view(t.dtype).view(t.shape))
+                    at += k
+
+        inflight.append((dist.broadcast(buf, src=src, group=group, async_op=True), unpack))
+        moved += n
+        buckets += 1
+        if buckets >= 2:  # bound the buckets' memory: wait for all but the newest
+            settle(1)
+            buckets = 1
 
     size = 0
     for t in local:
@@ -288,12 +306,16 @@ def _broadcast_pieces(comm: Comm, local: list[torch.Tensor], src: int, group: An
                 size = 0
             continue
         target = t if t.is_contiguous() else t.contiguous()
-        comm.wait(dist.broadcast(target, src=src, group=group, async_op=True), phase)
-        if receive and target is not t:
-            t.copy_(target)
+        copy_back = (lambda t=t, target=target: t.copy_(target)) if receive and target is not t else _nothing
+        inflight.append((dist.broadcast(target, src=src, group=group, async_op=True), copy_back))
         moved += n
     flush()
+    settle(0)
     return moved
+
+
+def _nothing() -> None:
+    return None
 
 
 def sync_sharded(
@@ -322,6 +344,8 @@ def sync_sharded(
             return 0, records[0].tenure, 0, 0
         version = elect_version(records, layout, ranks, op, src)
         sender = version.src if src is None else src
+        if src is not None:  # the forced rank is its replica set's source, whatever the ranks' order
+            version.sources[records[src].position] = src
         me_pos = layout.position[me]
         set_source = version.sources[me_pos]
 
@@ -352,22 +376,55 @@ def sync_sharded(
         object_bytes = 0
         token = None
         try:
-            # 1. The objects, from the sender: plain leaves and the new lineage token.
-            data = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex)) if comm.rank == sender else None
+            # 1. The objects, from the sender: plain leaves and the new lineage token (or why it has none:
+            #    every rank then skips the pieces alike and raises it).
+            data = None
+            if comm.rank == sender:
+                try:
+                    data = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex))
+                except Exception as exc:
+                    data = cloudpickle.dumps(_Unsent(f"{type(exc).__name__}: {exc}"))
             payload = comm.broadcast_bytes(data, sender, "objects")
             object_bytes = len(payload)
-            plain, token = cloudpickle.loads(payload)
-            # 2. Targets: a receiver whose optimizer has no state allocates it when the source's has.
-            if receiver and any(
-                not mine and theirs
-                for (_, mine), (_, theirs) in zip(record.stateful, records[sender].stateful)
-            ):
-                sd = sharded_state_dict(state, init_optimizers=True)
+            sent = cloudpickle.loads(payload)
+            if isinstance(sent, _Unsent):
+                raise RuntimeError(f"the sender (rank {sender}) could not pack its objects: {sent.why}")
+            plain, token = sent
+            # 2. Targets, in the set source's order of pieces (optimizer states are ordered by when each
+            #    parameter first stepped, which differs between ranks): a receiver allocates the optimizer
+            #    state it lacks; every rank learns whether every receiver is ready before a piece moves.
+            ready: tuple[tuple[str, ...] | None, str | None] = (None, None)
+            own: list[torch.Tensor] = []
+            try:
+                if receiver and any(
+                    theirs and not mine
+                    for (_, mine), (_, theirs) in zip(record.stateful, records[sender].stateful)
+                ):
+                    sd = sharded_state_dict(state, init_optimizers=True)
+                mine = {path_str(p.path): p for p in pieces(sd) if _needed(p, records[sender].stateful)}
+                ready = (
+                    tuple(sorted(mine)) if comm.rank == set_source and me_pos in receiving_sets else None,
+                    None,
+                )
+            except Exception as exc:
+                ready = (None, f"{type(exc).__name__}: {exc}")
+            lists = group.gather(ready, "pieces-plan")
+            raise_first(
+                lists,
+                lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
+                lambda x: x[1],
+            )
             # 3. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
             #    such a set has a source, so the mesh has a "replicate" dimension).
             if me_pos in receiving_sets:
+                order = lists[set_source][0] or ()
+                missing = [k for k in order if k not in mine]
+                if missing:
+                    raise RuntimeError(
+                        f"this rank holds no piece {missing[:3]} its replica set's source holds"
+                    )
+                own = [mine[k].local for k in order]
                 rep = mesh.get_group(REPLICATE)
-                own = [p.local for p in pieces(sd) if _needed(p, records[sender].stateful)]
                 _broadcast_pieces(comm, own, ranks[set_source], rep, receive=receiver)
             # 4. The sender's objects.
             if applies:
@@ -394,6 +451,13 @@ def sync_sharded(
                 moved += rec.nbytes
         log.debug("%s: sharded sync moved %d bytes in %.3fs", op, moved, time.perf_counter() - started)
         return sender, version.tenure, moved, object_bytes
+
+
+@attrs.frozen
+class _Unsent:
+    """What a sender that cannot pack its objects sends instead (every rank raises `why`)."""
+
+    why: str
 
 
 def _needed(piece: Piece, stateful: tuple[tuple[Any, bool], ...]) -> bool:

@@ -241,18 +241,50 @@ def _modules(state: Any, which: Which, path: Path = ()) -> list[tuple[Path, torc
     return out
 
 
+#: Wrapper modules whose names torch's `get_optimizer_state_dict` leaves out of parameter names.
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _fqns(model: torch.nn.Module) -> dict[int, str]:
+    """Parameter id -> the name torch's state-dict API gives it (wrapper prefixes removed)."""
+    return {
+        id(p): ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
 def optimizer_state_dict(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """`get_optimizer_state_dict`, without the side effect it has on an optimizer that never stepped (torch
-    initialises its state with a step of learning rate 0, which also counts the step): such an optimizer
-    reports no state and stays without."""
+    """`get_optimizer_state_dict`; for an optimizer that never stepped, its param groups alone, built
+    here: torch's would initialise its state by a step of learning rate 0 (which counts the step, runs
+    step hooks and allocates gradients and moments)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    fresh = not optim.state
-    osd = get_optimizer_state_dict(model, optim)
-    if fresh:
-        optim.state.clear()
-        osd = {"state": {}, "param_groups": osd["param_groups"]}
-    return osd
+    if optim.state:
+        return get_optimizer_state_dict(model, optim)
+    names = _fqns(model)
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optim.param_groups
+    ]
+    return {"state": {}, "param_groups": groups}
+
+
+def load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, entry: dict[str, Any]) -> None:
+    """Put an optimizer state dict named by parameter names (`optimizer_state_dict`'s) into `optim`
+    through its own ``load_state_dict`` (state for some parameters only, or none, included); tensors are
+    taken as they are (a receiver's, already written in place)."""
+    names = _fqns(model)
+    order = [names[id(p)] for g in optim.param_groups for p in g["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    missing = sorted(set(entry["state"]) - set(index))
+    if missing:
+        msg = f"the optimizer state names parameters the model does not have: {missing[:5]}"
+        raise ValueError(msg)
+    raw = {
+        "state": {index[name]: value for name, value in entry["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in entry["param_groups"]],
+    }
+    optim.load_state_dict(raw)
 
 
 def init_optimizer_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -301,7 +333,6 @@ def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path
     torch's `set_model_state_dict` / `set_optimizer_state_dict` (a DTensor entry that *is* the module's own
     tensor is left as it is), other stateful objects through `load_state_dict`, generators restored in
     place, every other field set to the dict's value."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     modules = _modules(state, which)
     for name in _fields(state, which):
@@ -312,13 +343,7 @@ def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path
         if kind == Kind.MODULE:
             _load_module(value, entry, here)
         elif kind == Kind.OPTIMIZER:
-            model = _owner_model(value, modules, here)
-            if not entry.get("state"):
-                value.state.clear()
-                for group, saved in zip(value.param_groups, entry["param_groups"]):
-                    group.update({k: v for k, v in saved.items() if k != "params"})
-            else:
-                set_optimizer_state_dict(model, value, entry)
+            load_optimizer(_owner_model(value, modules, here), value, entry)
         elif kind == Kind.STATE:
             apply_sharded(value, entry, which, path=here)
         elif kind in STATE_DICT:

@@ -1,0 +1,170 @@
+"""`run` with a builder: a sharded state rebuilt on each generation's mesh and filled in memory.
+
+``run(fn, build, mesh=...)``: `MeshPlan` turns the live worker count into the generation's mesh shape
+(``mesh(n)``) and names, and tells the rendezvous how many of `n` workers the mesh uses (`fit`: the others
+wait as spares, heartbeating, and are admitted first at the next change). `Built` keeps the state across
+generations: at the start of each one the previous state's pieces are held (`elastic.replication.reshard`;
+FSDP2 modules resharded first, in case a failure struck between an all-gather and its reshard), the old
+state is dropped, ``build(world)`` makes the new one on ``world.mesh`` and it is filled from the held
+pieces, every byte moved at most once, never through a disk. Sources, in order: live pieces at their
+tenure, then ``ckpt``, then a fresh sync (a first generation where nobody holds anything). A generation that
+fails while filling keeps the held pieces for the next one: nothing half-filled is ever trained on.
+
+FSDP2 binds its modules to the generation's process groups, so the state is rebuilt in every generation,
+also when the mesh shape stays (then each rank's pieces are mostly its own: local copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+
+from elastic._util.errors import SyncError
+from elastic.checkpoint.saveload import load
+from elastic.replication.collective import Collective
+from elastic.replication.reshard import Held, hold, reshard
+from elastic.replication.sync import sync, tenure
+from elastic.state.config import config_of, is_elastic_state
+from elastic.state.lineage import lineage
+from elastic.state.shards import is_sharded
+
+__all__ = ["Built", "MeshPlan"]
+
+log = logging.getLogger("elastic")
+
+
+@attrs.frozen
+class MeshPlan:
+    """The user's ``mesh(n)`` and ``mesh_dim_names``, checked."""
+
+    shape_of: Callable[[int], Any]
+    names: tuple[str, ...] | None = None
+
+    def shape(self, n: int) -> tuple[int, ...]:
+        """The mesh shape for `n` live workers (`ValueError` unless positive ints, product <= n)."""
+        try:
+            raw = self.shape_of(n)
+            shape = tuple(int(d) for d in (raw if isinstance(raw, (tuple, list)) else (raw,)))
+        except Exception as exc:
+            msg = f"elastic.run(mesh=...): mesh({n}) raised {type(exc).__name__}: {exc}"
+            raise ValueError(msg) from exc
+        if not shape or any(d < 1 for d in shape) or math.prod(shape) > n:
+            msg = (
+                f"elastic.run(mesh=...): mesh({n}) returned {raw!r}; it must be a tuple of positive ints "
+                f"whose product is at most the {n} live workers (the rest wait as spares)"
+            )
+            raise ValueError(msg)
+        return shape
+
+    def dim_names(self, shape: tuple[int, ...]) -> tuple[str, ...]:
+        if self.names is not None:
+            if len(self.names) != len(shape):
+                msg = f"elastic.run(mesh_dim_names={self.names!r}) does not match the mesh shape {shape}"
+                raise ValueError(msg)
+            return self.names
+        if len(shape) == 1:
+            return ("shard",)
+        if len(shape) == 2:
+            return ("replicate", "shard")
+        msg = f"elastic.run: a {len(shape)}-D mesh {shape} needs mesh_dim_names=(...)"
+        raise ValueError(msg)
+
+    def fit(self, n: int) -> int:
+        """How many of `n` workers the mesh uses (all of them when ``mesh(n)`` is invalid: the generation
+        then raises the clear error)."""
+        try:
+            return math.prod(self.shape(n))
+        except ValueError:
+            return n
+
+
+def _reshard_fsdp(state: Any) -> None:
+    """Put every FSDP2 module of `state` back in its sharded form (local; after a failure mid-step)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for name in attrs.fields_dict(type(state)):
+        value = getattr(state, name, None)
+        if isinstance(value, torch.nn.Module):
+            for m in value.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+
+@attrs.define
+class Built:
+    """The state of a builder `run` across generations, and the pieces held while a new one is filled."""
+
+    build: Callable[[Any], Any]
+    plan: MeshPlan
+    ckpt: Any
+    timeout: timedelta
+    state: Any = None
+    held: Held | None = None
+
+    def release(self) -> None:
+        """The generation is over: keep the state's pieces and drop the state itself, so that nothing
+        holds the generation's process groups (FSDP2 keeps its own references to them): their sockets
+        close when the group is destroyed, and a peer still blocked on this rank fails at once."""
+        old = self.state
+        if old is not None and not lineage(old).torn:
+            _reshard_fsdp(old)
+            self.held = hold(old, tenure(old))
+        self.state = old = None
+
+    def start(self, world: Any) -> tuple[int, Any]:
+        """The generation's mesh, the new state and its filling. (source rank, tenure)"""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = self.plan.shape(world.size)
+        if math.prod(shape) != world.size:  # the rendezvous admitted exactly the mesh's product
+            msg = f"elastic.run: generation of {world.size} workers but mesh({world.size}) = {shape}"
+            raise ValueError(msg)
+        device = "cuda" if dist_backend() == "nccl" else "cpu"
+        world.mesh = init_device_mesh(device, shape, mesh_dim_names=self.plan.dim_names(shape))
+        for dim in range(len(shape)):  # the mesh's groups get torch's default (30 min), not run's timeout
+            world.mesh.get_group(dim).set_timeout(self.timeout)
+        self.release()  # (done already when the last generation ended) the old state is freed first
+        new = self.build(world)
+        config_of(new, "elastic.run(fn, build): build(world)")
+        if not is_elastic_state(new) or not is_sharded(new):
+            msg = (
+                "elastic.run(fn, build): build(world) must return an @elastic_state instance whose model is "
+                f"sharded on world.mesh (fully_shard(..., mesh=world.mesh)); got {type(new).__qualname__}"
+            )
+            raise TypeError(msg)
+        group = Collective.of(None, self.timeout, "run")
+        holds = group.gather(self.held is not None and self.held.tenure is not None, "run-held")
+        src, value = 0, None
+        filled = False
+        if any(holds):
+            try:
+                value, moved, src = reshard(new, self.held, group)
+                filled = True
+                log.info("run: filled the %s mesh from memory (%d bytes received here)", shape, moved)
+            except SyncError as exc:
+                if self.ckpt is None:
+                    raise
+                log.warning("run: %s; loading %s instead", exc, self.ckpt)
+        if not filled:
+            report = load(new, self.ckpt, timeout=self.timeout) if self.ckpt is not None else None
+            if report is not None:
+                src, value = report.src, report.tenure
+            else:
+                sync_report = sync(new, timeout=self.timeout)
+                src, value = sync_report.src, sync_report.tenure
+        self.state, self.held = new, None
+        return src, value
+
+
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_initialized() else "gloo"
