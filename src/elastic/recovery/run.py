@@ -787,10 +787,18 @@ def run(
       hung: wrap long local work in ``with world.busy():``.
     - Ranks follow the workers' stable order (`spawn` slot, else launcher rank), so tenure ties go alike
       in two runs started alike.
+    - Sharded states: pass a *builder* instead of a state, ``run(fn, build, mesh=...)``. Every generation
+      gets ``world.mesh`` (a ``DeviceMesh`` of shape ``mesh(n)`` for its `n` workers; workers beyond the
+      shape's product wait as spares and are admitted first at the next change), ``build(world)`` makes
+      the state on it (meta device, ``fully_shard``, ``to_empty``), and the state is filled in memory from
+      the previous generation's pieces (the survivors', resharded onto the new mesh, every byte moved at
+      most once, no disk), else from `ckpt`, else synced (a first generation). A generation that fails
+      while filling keeps the pieces for the next one.
 
     Args:
         fn: ``fn(state, world)``, called once per generation; its value is returned.
-        state: an ``@elastic_state`` instance, kept in memory across generations.
+        state: an ``@elastic_state`` instance, kept in memory across generations; or a builder,
+            ``build(world) -> state``, for a sharded state built on ``world.mesh`` in every generation.
         rdzv: the rendezvous store's ``"host:port"`` (default ``$ELASTIC_RDZV``).
         run_id: names the run in the store (several runs may share one store).
         min_workers: the fewest members a generation may have.
@@ -802,6 +810,10 @@ def run(
         timeout: bound of every collective and of a worker's silence (seconds or timedelta).
         join_timeout: how long a generation may take to form.
         check_every: every how many ``world.check()`` calls the flag is exchanged.
+        mesh: with a builder, ``mesh(n) -> shape``: the mesh for `n` live workers (product at most `n`;
+            default ``(n,)``).
+        mesh_dim_names: the mesh's dimension names (default ``("shard",)`` for 1-D, ``("replicate",
+            "shard")`` for 2-D; required beyond).
 
     Returns:
         fn's value; None after a planned departure, or at once when the run had already finished (fn
@@ -811,7 +823,8 @@ def run(
         ElasticError: no generation formed within `join_timeout`; the store was unreachable for
             `timeout`; the ranks were in different operations (the script's bug); too many generations
             failed in a row before a step completed.
-        TypeError: `fn` is not callable, or `state` is not an ``@elastic_state`` instance.
+        TypeError: `fn` is not callable, `state` is neither an ``@elastic_state`` instance nor a builder,
+            ``build(world)`` returned no sharded state, or `mesh` was given with a state.
         ValueError: a worker count or `check_every` out of range, or an empty `run_id`.
     """
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)

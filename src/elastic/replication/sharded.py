@@ -74,6 +74,7 @@ class ShardRecord:
     #: per optimizer key path: whether this rank's optimizer has state
     stateful: tuple[tuple[Any, bool], ...] = ()
     nbytes: int = 0
+    src: int | None = None
     error: tuple[str, str] | None = None
 
 
@@ -132,6 +133,7 @@ def shard_record(
         tenure = current(state, config, line)
         sd = sharded_state_dict(state, which)
         own = pieces(sd)
+        _check_replicated_on_replicate(own, layout)
         record = ShardRecord(
             tenure=tenure,
             torn=line.torn,
@@ -145,6 +147,22 @@ def shard_record(
     except Exception as exc:
         return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}
     return record, sd
+
+
+def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None:
+    """Every DTensor must be a copy along the "replicate" dimension (that is what makes replica sets)."""
+    if REPLICATE not in layout.names:
+        return
+    dim = layout.names.index(REPLICATE)
+    for p in own:
+        placement = p.tensor.placements[dim]
+        if not placement.is_replicate():
+            msg = (
+                f"{path_str(p.path)} is placed {placement} on the mesh's 'replicate' dimension; ranks that "
+                "differ only there must hold copies (Replicate()), as HSDP places parameters. Name the "
+                "dimension otherwise (mesh_dim_names) if it shards"
+            )
+            raise ValueError(msg)
 
 
 def check_schemas(records: Sequence[ShardRecord], op: str) -> None:
@@ -337,8 +355,16 @@ def sync_sharded(
         layout, ranks = group_layout(comm, mesh, op)
         me = ranks[comm.rank]
         record, sd = shard_record(state, config, layout, me)
+        record = attrs.evolve(record, src=src)
         records = group.gather(record, "elect")
         check_schemas(records, op)
+        given = {r.src for r in records}
+        if len(given) > 1 or (src is not None and not 0 <= src < group.world):
+            msg = (
+                f"{op}: the ranks passed different or invalid src= values "
+                f"({[r.src for r in records]}); pass the same group rank (0..{group.world - 1}) everywhere"
+            )
+            raise ValueError(msg)
         if not force and src is None and _identical(records):
             log.debug("%s: sharded replicas identical (tenure %r)", op, records[0].tenure)
             return 0, records[0].tenure, 0, 0
