@@ -534,6 +534,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             ("builtins", "set"),
             ("builtins", "frozenset"),
             ("builtins", "slice"),
+            # DCP records the checkpoint_id it was given, a path
+            ("pathlib", "Path"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
         }
     )
 
