@@ -445,7 +445,11 @@ def plain_leaves(sd: dict[str, Any]) -> Any:
     values, optimizer step counters and hyperparameters)."""
     if isinstance(sd, dict):
         return {k: plain_leaves(v) for k, v in sd.items()}
-    return PIECE if is_dtensor(sd) else sd
+    if is_dtensor(sd):
+        return PIECE
+    if isinstance(sd, torch.Tensor) and sd.device.type != "cpu":
+        return sd.detach().cpu()  # unpickled elsewhere it must not land on this rank's GPU
+    return sd
 
 
 def merge_plain(sd: dict[str, Any], plain: Any) -> dict[str, Any]:
@@ -457,6 +461,8 @@ def merge_plain(sd: dict[str, Any], plain: Any) -> dict[str, Any]:
             out[k] = merge_plain(mine or {}, v)
         elif v is PIECE and is_dtensor(mine):
             out[k] = mine
+        elif isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.device != mine.device:
+            out[k] = v.to(mine.device)  # the receiver's device (plain leaves travel on the CPU)
         else:
             out[k] = v
     return out
