@@ -8,7 +8,6 @@ report, digests of the whole model and optimizer gathered in full) and the check
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -21,6 +20,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from example_module import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fsdp.py"
@@ -39,11 +40,7 @@ MORE_LINE = re.compile(r"^trained on: step (\d+), loss (.+)$", re.M)
 
 def example() -> ModuleType:
     """The example as a module, for its model and its digest."""
-    spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "fsdp_example")
 
 
 def losses(text: str) -> list[float]:

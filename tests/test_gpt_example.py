@@ -10,7 +10,6 @@ checkpoint directory.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from example_module import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt.py"
@@ -41,11 +42,7 @@ VAL = re.compile(r"^\[rank \d+\] step (\d+): val loss (\S+) ", re.M)
 
 def example() -> ModuleType:
     """The example as a module, for its sizes (importing it defines things and builds the tiny dataset)."""
-    spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "gpt_example")
 
 
 def sampler_after(world_sizes: list[int], samples: int, per_rank: int) -> tuple[int, int]:

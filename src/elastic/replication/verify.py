@@ -246,14 +246,11 @@ def verify(state: Any, *, group: Any = None, timeout: timedelta | float | None =
             )
             lines.append(f"  {key}: {versions}")
     if lines:
-        msg = (
-            f"verify: the replicas differ in {len(lines)} place(s):\n"
-            + "\n".join(lines[:50])
-            + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
-            + "\nRun elastic.sync(state, force=True) to make every rank hold the most tenured state, and "
-            "look for per-rank randomness or rank-dependent updates in the training step."
-        )
-        raise DivergenceError(msg) from None
+        raise _divergence(
+            lines,
+            "Run elastic.sync(state, force=True) to make every rank hold the most tenured state, and "
+            "look for per-rank randomness or rank-dependent updates in the training step.",
+        ) from None
     log.debug("verify: %d ranks agree on %d fields and tensors", len(rows), len(keys))
 
 
@@ -296,14 +293,23 @@ def verify_sharded(state: Any, group: Collective) -> None:
     for pos, members in sorted(by_pos.items()):
         _compare(members, f" (shard position {pos})", lines)
     if lines:
-        msg = (
-            f"verify: the replicas differ in {len(lines)} place(s):\n"
-            + "\n".join(lines[:50])
-            + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
-            + "\nPieces are compared within their replica set, other fields on every rank. Run "
-            "elastic.sync(state, force=True) to make every replica hold the most tenured version."
+        raise _divergence(
+            lines,
+            "Pieces are compared within their replica set, other fields on every rank. Run "
+            "elastic.sync(state, force=True) to make every replica hold the most tenured version.",
         )
-        raise DivergenceError(msg)
+
+
+def _divergence(lines: list[str], fix: str) -> DivergenceError:
+    """The error naming every place that differs (the first 50) and the fix."""
+    msg = (
+        f"verify: the replicas differ in {len(lines)} place(s):\n"
+        + "\n".join(lines[:50])
+        + (f"\n  ... and {len(lines) - 50} more" if len(lines) > 50 else "")
+        + "\n"
+        + fix
+    )
+    return DivergenceError(msg)
 
 
 def _compare(members: list[tuple[int, dict[str, str]]], where: str, lines: list[str]) -> None:
