@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 
 from dist_harness import run_on_ranks
+from s3_server import bucket, endpoint
 
 pytestmark = pytest.mark.timeout(300)
+
+__all__ = ["bucket", "endpoint"]  # the fixtures, imported from s3_server
 
 
 def _four(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -172,9 +175,11 @@ def _four(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _load(rank: int, world: int, root: str, then_save: str | None) -> dict[str, Any]:
+def _load(
+    rank: int, world: int, root: str, then_save: str | None, s3: tuple[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     import elastic
-    from sharded_model import build, full, mesh_for, train
+    from sharded_model import build, differences, full, mesh_for, train
 
     s = build(mesh_for(world), seed=100 + rank)  # different values everywhere: all must come from disk
     rep = elastic.load(s, root)
@@ -190,6 +195,12 @@ def _load(rank: int, world: int, root: str, then_save: str | None) -> dict[str, 
             out["replicated_named"] = None
         except elastic.CheckpointMismatchError as exc:
             out["replicated_named"] = str(exc)
+    if s3 is not None:  # the pieces through an object store: written by both ranks, read back resharded
+        url, opts = s3
+        path = elastic.save(s, url, storage_options=opts)
+        fresh = build(mesh_for(world), seed=200 + rank)
+        got = elastic.load(fresh, url, storage_options=opts)
+        out["s3"] = (str(path), got.source, got.tenure, differences(full(s), full(fresh)))
     if then_save is not None:
         train(s, 1)
         elastic.save(s, then_save)
@@ -303,11 +314,25 @@ def test_a_2x2_checkpoint_loads_resharded_onto_three_ranks(four: Any, three: Any
         assert differences(reference, r["full"]) == []
 
 
-def test_a_2x2_checkpoint_loads_resharded_onto_two_ranks(four: Any) -> None:
+def test_a_2x2_checkpoint_loads_resharded_onto_two_ranks_and_through_an_object_store(
+    four: Any, bucket: Any
+) -> None:
     root, results = four
     from sharded_model import differences
 
-    loaded = run_on_ranks(_load, 2, args=(str(root / "final"), None), timeout=120)
+    url, opts, fs = bucket
+    loaded = run_on_ranks(_load, 2, args=(str(root / "final"), None, (url, opts)), timeout=120)
+    path, source, tenure, diff = loaded[0]["s3"]
+    assert loaded[1]["s3"][:3] == (path, source, tenure) and (source, tenure) == ("checkpoint", 5)
+    assert diff == [] and loaded[1]["s3"][3] == []
+    fs.invalidate_cache()
+    base = path.removeprefix("s3://")
+    assert sorted(p[len(base) + 1 :] for p in fs.find(base)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+    ]
     for r in loaded:
         assert r["report"] == ("checkpoint", 5, 4)
         assert differences(results[0]["final"][1], r["full"]) == []

@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,43 +29,16 @@ import golden_state
 from dist_harness import free_port, run_on_ranks
 from elastic.checkpoint.storage import remote as FS
 from golden_state import check
+from s3_server import bucket, endpoint, s3_options
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+__all__ = ["bucket", "endpoint"]  # the fixtures, imported from s3_server
 
 
 def options(endpoint: str, **config: Any) -> dict[str, Any]:
-    retries = config.pop("retries", {"max_attempts": 2, "mode": "standard"})
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint},
-        "config_kwargs": {"connect_timeout": 2, "read_timeout": 10, "retries": retries, **config},
-        "skip_instance_cache": True,
-    }
-
-
-@pytest.fixture
-def bucket(endpoint: str) -> Iterator[tuple[str, dict[str, Any], Any]]:
-    """A fresh bucket: its URL, the storage options, and an s3fs filesystem for looking inside."""
-    import s3fs
-
-    opts = options(endpoint)
-    fs = s3fs.S3FileSystem(**opts)
-    name = f"b{uuid.uuid4().hex[:12]}"
-    fs.mkdir(name)
-    yield f"s3://{name}", opts, fs
+    return s3_options(endpoint, **config)
 
 
 def listing(fs: Any, prefix: str) -> list[str]:
@@ -448,26 +420,3 @@ def test_writers_starting_together_claim_different_names() -> None:
     for t in threads:
         t.join(timeout=30)
     assert sorted(claimed) == [f"{root}/ckpt-000000000005{s}" for s in ("", ".1", ".2")]
-
-
-def _sharded_roundtrip(rank: int, world: int, url: str, opts: dict[str, Any]) -> tuple[list[str], Any]:
-    import elastic
-    from sharded_model import build, differences, full, mesh_for, train
-
-    mesh = mesh_for(world)
-    state = build(mesh)
-    train(state, 2)
-    path = elastic.save(state, url, storage_options=opts)
-    fresh = build(mesh, seed=5)
-    report = elastic.load(fresh, url, storage_options=opts)
-    return [str(path), report.source, report.tenure], differences(full(state), full(fresh))
-
-
-def test_a_sharded_state_saves_and_loads_through_an_object_store(bucket: Any) -> None:
-    url, opts, fs = bucket
-    results = run_on_ranks(_sharded_roundtrip, 2, args=(url, opts), timeout=120)
-    (path, source, tenure), diff = results[0]
-    assert results[1][0] == [path, source, tenure] and (source, tenure) == ("checkpoint", 2)
-    assert diff == [] and results[1][1] == []
-    names = listing(fs, path)
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]

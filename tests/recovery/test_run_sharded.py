@@ -60,7 +60,7 @@ def worker(mesh_of: Any) -> dict[str, Any]:
         return digest(full(state))
 
     if life == 1:
-        time.sleep(8)  # the survivors form a generation of three first
+        time.sleep(5)  # the survivors form a generation of three first
     record["final"] = elastic.run(
         fn, lambda world: build(world.mesh), mesh=mesh_of, min_workers=3, first_workers=4, timeout=5
     )
