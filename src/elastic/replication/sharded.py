@@ -12,6 +12,7 @@ complete version: every rank raises the same `SyncError` naming the shard positi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -74,6 +75,9 @@ class ShardRecord:
     #: per optimizer key path: whether this rank's optimizer has state
     stateful: tuple[tuple[Any, bool], ...] = ()
     nbytes: int = 0
+    #: a digest of the sorted key paths of this rank's pieces: when a receiver's equals its source's,
+    #: both walk the same pieces in sorted order and no list of pieces needs to be exchanged
+    pieces: str = ""
     src: int | None = None
     error: tuple[str, str] | None = None
 
@@ -142,6 +146,7 @@ def shard_record(
             position=layout.position[me],
             stateful=tuple(_optimizers(sd)),
             nbytes=sum(p.local.numel() * p.local.element_size() for p in own),
+            pieces=_paths_digest(own),
         )
         cloudpickle.dumps(tenure)
     except Exception as exc:
@@ -163,6 +168,11 @@ def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None
                 "dimension otherwise (mesh_dim_names) if it shards"
             )
             raise ValueError(msg)
+
+
+def _paths_digest(own: Sequence[Piece]) -> str:
+    text = "\n".join(sorted(path_str(p.path) for p in own))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def check_schemas(records: Sequence[ShardRecord], op: str) -> None:
@@ -396,6 +406,11 @@ def sync_sharded(
         applies = comm.rank != sender and (
             receiver or record.token is None or record.token != records[sender].token
         )
+        aligned = all(
+            rec.pieces == records[version.sources[rec.position]].pieces
+            for r, rec in enumerate(records)
+            if r != version.sources[rec.position] and lags(r)
+        )
         if applies:  # torn until the whole version is in (a failure below leaves it so)
             set_lineage(state, token=None, torn=True)
         failure: str | None = None
@@ -434,16 +449,22 @@ def sync_sharded(
                 )
             except Exception as exc:
                 ready = (None, f"{type(exc).__name__}: {exc}")
-            lists = group.gather(ready, "pieces-plan")
-            raise_first(
-                lists,
-                lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
-                lambda x: x[1],
-            )
+            lists: list[tuple[tuple[str, ...] | None, str | None]]
+            if aligned:  # every receiver holds its source's pieces: both walk them in sorted order
+                if ready[1] is not None:
+                    raise RuntimeError(ready[1])
+                lists = [(tuple(sorted(mine)), None)] * group.world
+            else:
+                lists = group.gather(ready, "pieces-plan")
+                raise_first(
+                    lists,
+                    lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
+                    lambda x: x[1],
+                )
             # 3. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
             #    such a set has a source, so the mesh has a "replicate" dimension).
             if me_pos in receiving_sets:
-                order = lists[set_source][0] or ()
+                order = (lists[set_source][0] or ()) if not aligned else lists[0][0] or ()
                 missing = [k for k in order if k not in mine]
                 if missing:
                     raise RuntimeError(

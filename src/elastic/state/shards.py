@@ -447,9 +447,28 @@ def plain_leaves(sd: dict[str, Any]) -> Any:
         return {k: plain_leaves(v) for k, v in sd.items()}
     if is_dtensor(sd):
         return PIECE
+    if isinstance(sd, torch.Tensor) and sd.numel() <= _SMALL_TENSOR and not sd.requires_grad:
+        return SmallTensor(str(sd.dtype).removeprefix("torch."), tuple(sd.shape), sd.reshape(-1).tolist())
     if isinstance(sd, torch.Tensor) and sd.device.type != "cpu":
         return sd.detach().cpu()  # unpickled elsewhere it must not land on this rank's GPU
     return sd
+
+
+#: Plain tensors of at most this many elements (Adam's step counters) travel as numbers: unpickling a
+#: tensor costs ~0.2 ms, 20 ms per sync of a 40-parameter model.
+_SMALL_TENSOR = 16
+
+
+@attrs.frozen
+class SmallTensor:
+    """A small plain tensor as plain data (`plain_leaves`); `merge_plain` makes it a tensor again."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    values: list[Any]
+
+    def tensor(self, device: Any = "cpu") -> torch.Tensor:
+        return torch.tensor(self.values, dtype=getattr(torch, self.dtype), device=device).reshape(self.shape)
 
 
 def merge_plain(sd: dict[str, Any], plain: Any) -> dict[str, Any]:
@@ -461,6 +480,8 @@ def merge_plain(sd: dict[str, Any], plain: Any) -> dict[str, Any]:
             out[k] = merge_plain(mine or {}, v)
         elif v is PIECE and is_dtensor(mine):
             out[k] = mine
+        elif isinstance(v, SmallTensor):
+            out[k] = v.tensor(mine.device if isinstance(mine, torch.Tensor) else "cpu")
         elif isinstance(v, torch.Tensor) and isinstance(mine, torch.Tensor) and v.device != mine.device:
             out[k] = v.to(mine.device)  # the receiver's device (plain leaves travel on the CPU)
         else:
