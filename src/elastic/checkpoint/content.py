@@ -81,9 +81,15 @@ class FileRecord:
     size: int
     digest: str
     chunk: int = CHUNK
+    #: the CRC-32 of every chunk, listed in the manifest where pieces of the file are read alone (a
+    #: sharded checkpoint's files); empty otherwise
+    crcs: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest}
+        out: dict[str, Any] = {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest}
+        if self.crcs:
+            out["crc32"] = list(self.crcs)
+        return out
 
 
 class ChunkSum:
@@ -228,14 +234,15 @@ def write_content(pending: Pending, name: str, payload: dict[str, Any], *, crc32
     return FileRecord(name, writer.size, writer.digest())
 
 
-def write_bytes(pending: Pending, name: str, data: bytes) -> FileRecord:
-    """Write `data` to the new file `name` of `pending`, checksummed and synced."""
+def write_bytes(pending: Pending, name: str, data: bytes, *, crcs: bool = False) -> FileRecord:
+    """Write `data` to the new file `name` of `pending`, checksummed and synced (`crcs`: the record lists
+    every chunk's CRC-32)."""
     with pending.create(name) as sink:
         writer = HashingWriter(sink)
         writer.write(data)
         writer.flush()
         sink.sync()
-    return FileRecord(name, writer.size, writer.digest())
+    return FileRecord(name, writer.size, writer.digest(), crcs=tuple(writer.chunk_crcs()) if crcs else ())
 
 
 def hash_file(storage: Storage, location: Any, chunk: int = CHUNK) -> tuple[int, str]:

@@ -26,7 +26,6 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 import attrs
@@ -48,7 +47,7 @@ from elastic._util.errors import (
     UntrustedCheckpointError,
 )
 from elastic.checkpoint.codec import MANIFEST
-from elastic.checkpoint.content import CHUNK, TREE_KEY, HashingWriter
+from elastic.checkpoint.content import FileRecord, HashingWriter, write_bytes
 from elastic.checkpoint.manifest import (
     DCP_LAYOUT,
     DCP_METADATA,
@@ -60,12 +59,11 @@ from elastic.checkpoint.manifest import (
     manifest_bytes,
     scan,
     skipped,
-    tenure_to_json,
     validate,
 )
 from elastic.checkpoint.options import LoadOptions, SaveOptions
 from elastic.checkpoint.storage.base import Pending, Storage
-from elastic.checkpoint.write import explain, retain, versions
+from elastic.checkpoint.write import explain, manifest_info, retain
 from elastic.replication.collective import Collective, raise_first
 from elastic.replication.comm import fault_point
 from elastic.replication.sharded import (
@@ -77,9 +75,8 @@ from elastic.replication.sharded import (
     shard_record,
     sync_sharded,
 )
-from elastic.state.config import StateConfig, saved_fields
+from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.nodes import kind_of
 from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict
 from elastic.state.tenure import as_saveable, check_saveable, current, exceeds, order_key
 
@@ -92,20 +89,6 @@ LAYOUT, METADATA = DCP_LAYOUT, DCP_METADATA
 
 def _file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"  # DCP's own naming: the storage prefix of the rank, file 0
-
-
-@attrs.frozen
-class _File:
-    """A written file as the manifest lists it, with the CRC-32 of every chunk (pieces are verified alone)."""
-
-    name: str
-    size: int
-    digest: str
-    crcs: tuple[int, ...]
-    chunk: int = CHUNK
-
-    def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest, "crc32": list(self.crcs)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,7 +118,7 @@ class _Written:
     """What a rank reports once its file is written: DCP's write results and the file record."""
 
     results: tuple[WriteResult, ...] = ()
-    file: _File | None = None
+    file: FileRecord | None = None
     error: str | None = None
 
 
@@ -168,7 +151,9 @@ def _write_file(
                 )
             writer.flush()
             sink.sync()
-        return _Written(tuple(results), _File(name, writer.size, writer.digest(), tuple(writer.chunk_crcs())))
+        return _Written(
+            tuple(results), FileRecord(name, writer.size, writer.digest(), crcs=tuple(writer.chunk_crcs()))
+        )
     except Exception as exc:
         return _Written(error=storage.explain(exc) or explain(exc))
     finally:
@@ -266,7 +251,7 @@ class ShardedWrite:
             buf = io.BytesIO()
             pickle.dump(md, buf)
             files = [w.file for w in rows if w.file is not None]
-            files.append(_write_metadata(pending, buf.getvalue()))
+            files.append(write_bytes(pending, METADATA, buf.getvalue(), crcs=True))
             fault_point("manifest", self.g.rank)
             manifest = build_manifest(self.info, files)
             pending.seal(MANIFEST, manifest_bytes(manifest))
@@ -286,34 +271,6 @@ class ShardedWrite:
         except Exception as exc:
             log.warning("save: retention under %s failed: %s: %s", self.options.root, type(exc).__name__, exc)
         return str(final), None
-
-
-def _write_metadata(pending: Pending, data: bytes) -> _File:
-    with pending.create(METADATA) as sink:
-        writer = HashingWriter(sink)
-        writer.write(data)
-        writer.flush()
-        sink.sync()
-    return _File(METADATA, writer.size, writer.digest(), tuple(writer.chunk_crcs()))
-
-
-def _info(state: Any, tenure: Any, world: int, layout_text: str) -> dict[str, Any]:
-    cls = type(state)
-    now = time.time_ns()
-    return {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "fields": [{"name": a.name, "kind": kind_of(getattr(state, a.name))} for a in saved_fields(cls)],
-        "tenure": tenure_to_json(tenure),
-        "tenure_repr": repr(tenure),
-        "world_size": world,
-        "writer_rank": -1,
-        "created": datetime.fromtimestamp(now / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds"),
-        "created_ns": now,
-        "versions": versions(),
-        "objects": [],
-        "layout": LAYOUT,
-        "mesh": layout_text,
-    }
 
 
 def _stage(data: Any, copy: bool) -> Any:
@@ -339,13 +296,7 @@ def save_sharded(state: Any, config: StateConfig, g: Collective, options: SaveOp
             "scope='global' with a shared filesystem or an fsspec URL"
         )
         raise ValueError(msg)
-    mesh = mesh_of(state, "save")
-    if comm is None:  # a world of one: one writer
-        from elastic.state.shards import layout_of
-
-        layout, ranks = layout_of(mesh), [0]
-    else:
-        layout, ranks = group_layout(comm, mesh, op)
+    layout, ranks = group_layout(comm, mesh_of(state, "save"), op)
     record, _ = shard_record(state, config, layout, ranks[g.rank], "save")
     records = g.gather(record, "save-elect")
     check_schemas(records, op)
@@ -404,7 +355,11 @@ def save_sharded(state: Any, config: StateConfig, g: Collective, options: SaveOp
         items = [(item, _stage(planner.resolve_data(item), not options.blocking)) for item in mine.items]
     except Exception as exc:
         failure = f"{type(exc).__name__}: {exc}"
-    info = _info(state, tenure, g.world, layout.describe())
+    info = {
+        **manifest_info(state, tenure, world=g.world, rank=-1),
+        "layout": LAYOUT,
+        "mesh": layout.describe(),
+    }
     write = ShardedWrite(g, options, coordinator, pending, handle, metadata, items, info, failure)
     write.start(background=not options.blocking)
     return write
@@ -629,13 +584,7 @@ def load_sharded(
     """The sharded `load` (collective): (source, src, tenure, path, saved world size)."""
     comm = g.comm
     op = "load"
-    mesh = mesh_of(state, "sync")
-    if comm is None:
-        from elastic.state.shards import layout_of
-
-        layout, ranks = layout_of(mesh), [0]
-    else:
-        layout, ranks = group_layout(comm, mesh, op)
+    layout, ranks = group_layout(comm, mesh_of(state, "sync"), op)
     record, _ = shard_record(state, config, layout, ranks[g.rank], "sync")
     try:
         if is_plain_dcp(options.root, options.storage):
@@ -730,17 +679,10 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
     try:
         manifest = None if cand.plain else validate(directory, storage).manifest
         rec = manifest["files"].get(METADATA) if manifest is not None else None
+        if manifest is not None and (rec is None or "crc32" not in rec):
+            return _Verdict("corrupt", f"{METADATA} is not listed in the manifest"), None
         with storage.open_read(storage.join(directory, METADATA)) as f:
-            raw = f.read()
-        if manifest is not None and (
-            rec is None
-            or len(raw) != rec["size"]
-            or any(
-                zlib.crc32(raw[k * rec["chunk"] : (k + 1) * rec["chunk"]]) != crc
-                for k, crc in enumerate(rec["crc32"])
-            )
-        ):
-            return _Verdict("corrupt", f"{METADATA} fails its checksum"), None
+            raw = f.read() if rec is None else bytes(_Verifier(f, rec, METADATA).read(0, rec["size"]))
         md = _load_metadata(raw, options.trusted, cand.path)
         live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
         stage = _staging(live)

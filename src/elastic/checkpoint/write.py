@@ -92,6 +92,25 @@ def versions() -> dict[str, str]:
     }
 
 
+def manifest_info(state: Any, tenure: Any, *, world: int, rank: int) -> dict[str, Any]:
+    """What every manifest says of its checkpoint: class, saved fields and kinds, tenure, world size, the
+    writing rank (-1: many), creation time, library versions (no objects)."""
+    cls = type(state)
+    now = time.time_ns()
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "fields": [{"name": a.name, "kind": kind_of(getattr(state, a.name))} for a in saved_fields(cls)],
+        "tenure": tenure_to_json(tenure),
+        "tenure_repr": repr(tenure),
+        "world_size": world,
+        "writer_rank": rank,
+        "created": datetime.fromtimestamp(now / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds"),
+        "created_ns": now,
+        "versions": versions(),
+        "objects": [],
+    }
+
+
 def prepare(state: Any, options: SaveOptions, *, rank: int, world: int, tenure: Any) -> Job:
     """The writer's job for `state` at `tenure`, written by `rank` of `world`; for an async save
     (``options.blocking`` False) with the tensors copied to a CPU staging area."""
@@ -105,20 +124,7 @@ def prepare(state: Any, options: SaveOptions, *, rank: int, world: int, tenure: 
         "tensors": tensors,
         "devices": [t.device.type for t in flat.tensors],
     }
-    cls = type(state)
-    now = time.time_ns()
-    info = {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "fields": [{"name": a.name, "kind": kind_of(getattr(state, a.name))} for a in saved_fields(cls)],
-        "tenure": tenure_to_json(tenure),
-        "tenure_repr": repr(tenure),
-        "world_size": world,
-        "writer_rank": rank,
-        "created": datetime.fromtimestamp(now / 1e9, tz=timezone.utc).isoformat(timespec="milliseconds"),
-        "created_ns": now,
-        "versions": versions(),
-        "objects": encoded.object_summary(),
-    }
+    info = {**manifest_info(state, tenure, world=world, rank=rank), "objects": encoded.object_summary()}
     return Job(options=options, rank=rank, tenure=tenure, payload=payload, objects=objects, info=info)
 
 

@@ -30,7 +30,7 @@ from elastic._util.errors import SyncError
 from elastic.replication.collective import Collective, raise_first
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import Path, path_str
-from elastic.state.shards import apply_sharded, merge_plain, pieces, plain_leaves, sharded_state_dict
+from elastic.state.shards import Piece, apply_sharded, merge_plain, pieces, plain_leaves, sharded_state_dict
 from elastic.state.tenure import greater, order_key
 
 __all__ = ["Held", "Move", "Region", "elect_held", "hold", "plan", "plan_moves", "reshard"]
@@ -64,20 +64,23 @@ class Held:
 
 def hold(state: Any, tenure: Any) -> Held:
     """This rank's pieces of `state` (a sharded state whose mesh is about to go), and its plain leaves."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     sd = sharded_state_dict(state)
-    regions, tensors = [], []
-    for p in pieces(sd):
-        dt = p.tensor
-        shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-        local = p.local
-        regions.append(Region(p.path, tuple(dt.shape), str(dt.dtype), tuple(offset), tuple(shape)))
-        tensors.append(local)
+    own = pieces(sd)
+    regions = [region_of(p) for p in own]
+    tensors = [p.local for p in own]
     line = lineage(state)
     return Held(
         tenure=None if line.torn else tenure, regions=regions, tensors=tensors, plain=plain_leaves(sd)
     )
+
+
+def region_of(piece: Piece) -> Region:
+    """Where `piece` sits in its tensor, by DTensor's own placement rules (no communication)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dt = piece.tensor
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return Region(piece.path, tuple(dt.shape), str(dt.dtype), tuple(offset), tuple(shape))
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -192,7 +195,6 @@ class _Record:
 def reshard(new_state: Any, held: Held | None, group: Collective) -> tuple[Any, int, int]:
     """Fill `new_state` (built on the new mesh) from what the ranks of `group` hold (`held`; None for a
     newcomer), collectively. Returns (tenure, bytes this rank received from others, object sender)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     comm = group.comm
     first = group.gather(
@@ -209,12 +211,7 @@ def reshard(new_state: Any, held: Held | None, group: Collective) -> tuple[Any, 
         with_state = any(_has_optimizer(first[r][0] or ()) for r in holders)
         sd = sharded_state_dict(new_state, init_optimizers=with_state)
         targets = pieces(sd)
-        regions = []
-        for p in targets:
-            dt = p.tensor
-            shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-            regions.append(Region(p.path, tuple(dt.shape), str(dt.dtype), tuple(offset), tuple(shape)))
-        wanted = tuple(regions)
+        wanted = tuple(region_of(p) for p in targets)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     records = group.gather(_Record(wanted=wanted, error=error), "reshard-plan")

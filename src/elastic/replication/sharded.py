@@ -82,11 +82,11 @@ class ShardRecord:
     error: tuple[str, str] | None = None
 
 
-def group_layout(comm: Comm, mesh: Any, op: str) -> tuple[Layout, list[int]]:
-    """The mesh's layout and the global rank of every group rank; `ValueError` unless the mesh holds
-    exactly the group's ranks."""
+def group_layout(comm: Comm | None, mesh: Any, op: str) -> tuple[Layout, list[int]]:
+    """The mesh's layout and the global rank of every group rank (`comm` None: a world of one);
+    `ValueError` unless the mesh holds exactly the group's ranks."""
     layout = layout_of(mesh)
-    ranks = [comm.global_rank(i) for i in range(comm.world_size)]
+    ranks = [comm.global_rank(i) for i in range(comm.world_size)] if comm is not None else [0]
     if sorted(ranks) != sorted(layout.position):
         msg = (
             f"{op}: the state's device mesh holds ranks {sorted(layout.position)}, but the group has ranks "
@@ -97,12 +97,12 @@ def group_layout(comm: Comm, mesh: Any, op: str) -> tuple[Layout, list[int]]:
     return layout, ranks
 
 
-def _schema(state: Any, sd: dict[str, Any], layout: Layout) -> Any:
+def _schema(state: Any, sd: dict[str, Any], own: Sequence[Piece], layout: Layout) -> Any:
     """What must agree before anything moves: the class, the mesh and every model piece's key, global
     shape, dtype and placements (optimizer states are allocated by receivers that lack them)."""
     rows = tuple(
         (path_str(p.path), tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
-        for p in pieces(sd)
+        for p in own
         if not _in_optimizer_state(sd, p.path)
     )
     return (type(state).__qualname__, tuple(sd), layout.shape, layout.names, rows)
@@ -142,7 +142,7 @@ def shard_record(
             tenure=tenure,
             torn=line.torn,
             token=line.token,
-            schema=_schema(state, sd, layout),
+            schema=_schema(state, sd, own, layout),
             position=layout.position[me],
             stateful=tuple(_optimizers(sd)),
             nbytes=sum(p.local.numel() * p.local.element_size() for p in own),
