@@ -106,13 +106,14 @@ def _forget_meshes() -> None:
     state's DTensors (``detach``, ``zeros_like``: its state dict, Adam's moments) the old ``DeviceMesh``,
     with the old rank's coordinate: wrong pieces planned, saved and redistributed. Local, a few ms."""
     try:
-        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor import _collective_utils, _redistribute
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # pragma: no cover - torch without DTensor
         return
     _clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 @attrs.define
@@ -135,6 +136,7 @@ class Built:
             _reshard_fsdp(old)
             self.held = hold(old, tenure(old))
         self.state = old = None
+        _forget_meshes()  # torch's DTensor caches hold the mesh, and it the groups
 
     def start(self, world: Any) -> tuple[int, Any]:
         """The generation's mesh, the new state and its filling. (source rank, tenure)"""
@@ -149,7 +151,8 @@ class Built:
         world.mesh = init_device_mesh(device, shape, mesh_dim_names=self.plan.dim_names(shape))
         for dim in range(len(shape)):  # the mesh's groups get torch's default (30 min), not run's timeout
             world.mesh.get_group(dim).set_timeout(self.timeout)
-        self.release()  # (done already when the last generation ended) the old state is freed first
+        if self.state is not None:  # (released when the last generation ended) the old state goes first
+            self.release()
         new = self.build(world)
         config_of(new, "elastic.run(fn, build): build(world)")
         if not is_elastic_state(new) or not is_sharded(new):
