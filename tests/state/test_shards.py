@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from elastic.state.shards import PIECE, layout_of, merge_plain, plain_leaves
+import elastic
+from elastic.state.shards import PIECE, allocate_optimizer_state, layout_of, merge_plain, plain_leaves
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> SimpleNamespace:
@@ -52,6 +53,48 @@ def test_the_plain_part_marks_pieces_and_merges_back_onto_own_pieces() -> None:
         assert torch.equal(merged["model"]["buf"], torch.tensor([1.0])) and merged["step"] == 3
     finally:
         shards.dtensor_type = real  # type: ignore[assignment]
+
+
+@elastic.elastic_state(tenure="step")
+class Trained:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+
+
+def test_optimizer_states_are_allocated_like_their_parameters_without_a_step() -> None:
+    model = torch.nn.Linear(3, 2)
+    state = Trained(model=model, optimizer=torch.optim.Adam(model.parameters()))
+    entries = {
+        ("optimizer", "state", name, key): (
+            "torch.float64" if key == "exp_avg_sq" else "torch.float32",
+            shape,
+        )
+        for name, shape in (("weight", (2, 3)), ("bias", (2,)))
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    assert allocate_optimizer_state(state, {**entries, ("model", "weight"): ("torch.float32", (2, 3))})
+    got = {
+        (id(p), k): (tuple(t.shape), t.dtype)
+        for p, st in state.optimizer.state.items()
+        for k, t in st.items()
+    }
+    assert got == {
+        (id(model.weight), "exp_avg"): ((2, 3), torch.float32),
+        (id(model.weight), "exp_avg_sq"): ((2, 3), torch.float64),
+        (id(model.bias), "exp_avg"): ((2,), torch.float32),
+        (id(model.bias), "exp_avg_sq"): ((2,), torch.float64),
+    }  # no "step": it comes with the source's objects; no step was taken
+    assert all(p.grad is None for p in model.parameters())
+    # an entry not shaped like its parameter (a factored moment): nothing allocated, torch's init is needed
+    other = Trained(
+        model=torch.nn.Linear(3, 2), optimizer=torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    )
+    other.optimizer = torch.optim.Adam(other.model.parameters())
+    assert not allocate_optimizer_state(
+        other, {("optimizer", "state", "weight", "row"): ("torch.float32", (2,))}
+    )
+    assert not other.optimizer.state
 
 
 def test_importing_elastic_does_not_import_dtensor_or_dcp() -> None:

@@ -31,7 +31,15 @@ from elastic.replication.collective import Collective, raise_first
 from elastic.replication.comm import fault_point
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import Path, path_str
-from elastic.state.shards import Piece, apply_sharded, merge_plain, pieces, plain_leaves, sharded_state_dict
+from elastic.state.shards import (
+    Piece,
+    allocate_optimizer_state,
+    apply_sharded,
+    merge_plain,
+    pieces,
+    plain_leaves,
+    sharded_state_dict,
+)
 from elastic.state.tenure import greater, order_key
 
 __all__ = ["Held", "Move", "Region", "elect_held", "hold", "plan", "plan_moves", "reshard"]
@@ -80,8 +88,20 @@ def region_of(piece: Piece) -> Region:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     dt = piece.tensor
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    return Region(piece.path, tuple(dt.shape), str(dt.dtype), tuple(offset), tuple(shape))
+    mesh = dt.device_mesh
+    # The rules depend on these alone: a model's many tensors of one shape cost one computation (~0.3 ms)
+    key = (tuple(dt.shape), tuple(mesh.shape), mesh.get_coordinate(), tuple(dt.placements))
+    box = _BOXES.get(key)
+    if box is None:
+        shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+        box = _BOXES[key] = (tuple(shape), tuple(offset))
+        if len(_BOXES) > 4096:
+            _BOXES.clear()
+    return Region(piece.path, tuple(dt.shape), str(dt.dtype), box[1], box[0])
+
+
+#: `region_of`'s (local shape, global offset) by (global shape, mesh shape, coordinate, placements).
+_BOXES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -136,17 +156,17 @@ def plan_moves(
     one holder, the destination itself when it holds it, else the holders in turn."""
     moves: list[Move] = []
     turn = 0
+    held_boxes: dict[Path, dict[Box, list[int]]] = {}  # per tensor, the distinct boxes held, with holders
+    for r in holders:
+        for h in held[r] or ():
+            if _volume(h.shape):
+                held_boxes.setdefault(h.path, {}).setdefault((h.offset, h.shape), []).append(r)
     for dst, regions in enumerate(wanted):
         for key, region in enumerate(regions):
             if _volume(region.shape) == 0:
                 continue
             target: Box = (region.offset, region.shape)
-            boxes: dict[Box, list[int]] = {}  # the distinct boxes of this tensor held, with their holders
-            for r in holders:
-                for h in held[r] or ():
-                    if h.path == region.path and _volume(h.shape):
-                        boxes.setdefault((h.offset, h.shape), []).append(r)
-            for box, owners in boxes.items():
+            for box, owners in held_boxes.get(region.path, {}).items():
                 part = _intersect(target, box)
                 if part is None or _volume(part[1]) == 0:
                     continue
@@ -209,7 +229,8 @@ def reshard(new_state: Any, held: Held | None, group: Collective) -> tuple[Any, 
     targets: list[Any] = []
     sd: dict[str, Any] = {}
     try:
-        with_state = any(_has_optimizer(first[r][0] or ()) for r in holders)
+        entries = {h.path: (h.dtype, h.global_shape) for r in holders for h in first[r][0] or ()}
+        with_state = _has_optimizer(entries) and not allocate_optimizer_state(new_state, entries)
         sd = sharded_state_dict(new_state, init_optimizers=with_state)
         targets = pieces(sd)
         wanted = tuple(region_of(p) for p in targets)
@@ -284,6 +305,6 @@ def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
 
-def _has_optimizer(regions: Sequence[Region]) -> bool:
-    """Whether the regions include optimizer states (receivers then allocate theirs to write into)."""
-    return any("state" in r.path for r in regions)
+def _has_optimizer(paths: Any) -> bool:
+    """Whether the paths of regions include optimizer states (receivers then allocate theirs)."""
+    return any("state" in p for p in paths)

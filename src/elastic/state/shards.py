@@ -35,6 +35,7 @@ __all__ = [
     "REPLICATE",
     "Layout",
     "Piece",
+    "allocate_optimizer_state",
     "apply_sharded",
     "dtensor_type",
     "is_dtensor",
@@ -293,6 +294,43 @@ def init_optimizer_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optim)
+
+
+def allocate_optimizer_state(
+    state: Any, entries: dict[Path, tuple[str, tuple[int, ...]]], which: Which = "sync", *, path: Path = ()
+) -> bool:
+    """Give every optimizer of `state` that has no state the tensors `entries` names, uninitialised.
+
+    `entries`: path in `sharded_state_dict` (field, ``"state"``, parameter name, key) -> (dtype, global
+    shape), a source's DTensor entries. Each one shaped like its parameter becomes an ``empty_like`` of it
+    (placed like it): the targets a receiver then overwrites entirely, allocated without torch's own
+    initialisation (`init_optimizer_state` runs a step of learning rate 0 over every parameter, which
+    costs about as much as the copy itself). The other leaves (step counters) come with the source's
+    objects. Returns False, allocating nothing more, when an entry is not shaped like its parameter: use
+    `init_optimizer_state` then."""
+    keys: dict[Path, list[tuple[str, tuple[str, tuple[int, ...]]]]] = {}
+    for p, spec in entries.items():
+        keys.setdefault(p[:-1], []).append((str(p[-1]), spec))
+    modules = _modules(state, which)
+    for name in _fields(state, which):
+        value = getattr(state, name)
+        here = (*path, name)
+        kind = kind_of(value)
+        if kind == Kind.STATE and not allocate_optimizer_state(value, entries, which, path=here):
+            return False
+        if kind != Kind.OPTIMIZER or value.state:
+            continue
+        names = _fqns(_owner_model(value, modules, here))
+        made: dict[Any, dict[str, Any]] = {}
+        for group in value.param_groups:
+            for param in group["params"]:
+                for key, (dtype, shape) in keys.get((*here, "state", names[id(param)]), ()):
+                    if tuple(param.shape) != shape:
+                        return False
+                    kind_dtype = getattr(torch, dtype.removeprefix("torch."))
+                    made.setdefault(param, {})[key] = torch.empty_like(param, dtype=kind_dtype)
+        value.state.update(made)
+    return True
 
 
 def sharded_state_dict(
