@@ -851,6 +851,7 @@ def run(
         built = Built(
             build=state, plan=plan, ckpt=ckpt, timeout=as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
         )
+        _import_sharded()
     else:
         config_of(state, "elastic.run()")
         if mesh is not None or mesh_dim_names is not None:
@@ -896,6 +897,15 @@ def run(
             return loop.run()
     finally:
         rendezvous.close()
+
+
+def _import_sharded() -> None:
+    """Import what building and filling a sharded state uses (~2 s on a busy machine) before joining: a
+    spare pays it while it waits, not when it is admitted with every member waiting for it."""
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+    import torch.distributed.tensor  # noqa: F401
 
 
 class _Live:
