@@ -87,10 +87,8 @@ def test_optimizer_states_are_allocated_like_their_parameters_without_a_step() -
     }  # no "step": it comes with the source's objects; no step was taken
     assert all(p.grad is None for p in model.parameters())
     # an entry not shaped like its parameter (a factored moment): nothing allocated, torch's init is needed
-    other = Trained(
-        model=torch.nn.Linear(3, 2), optimizer=torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
-    )
-    other.optimizer = torch.optim.Adam(other.model.parameters())
+    plain = torch.nn.Linear(3, 2)
+    other = Trained(model=plain, optimizer=torch.optim.Adam(plain.parameters()))
     assert not allocate_optimizer_state(
         other, {("optimizer", "state", "weight", "row"): ("torch.float32", (2,))}
     )
