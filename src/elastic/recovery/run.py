@@ -794,6 +794,8 @@ def run(
     - ``world.check()``, called by every rank once per step, ends the generation at the same call on
       every rank when a worker waits to join or leaves (every `check_every`-th call exchanges the flag).
     - Any other exception from ``fn`` propagates out of `run` on its rank, after its group is aborted.
+      Its traceback's frames are released first (they may hold the group, whose sockets must close for the
+      peers to notice); the traceback's text is kept as a note on the exception (Python 3.11+).
     - SIGTERM (a preemption notice) is a planned departure: the step finishes, the worker leaves at its
       next ``check()`` with the others, and `run` returns None there; the others lose no step. (The
       handler is installed only when `run` is called from the main thread, and restored on return.)
