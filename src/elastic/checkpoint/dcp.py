@@ -13,8 +13,11 @@ exchanged with the library's own collectives, so that a save can run its file wr
 thread (``blocking=False``) while training goes on.
 
 Loading: every rank reads the pieces its new shards overlap (DCP's load planner computes which), from a
-checkpoint every rank sees; each piece's chunks are verified before it is used, and everything is read into
-a staging copy first, so a corrupt piece is never loaded: the group falls back to the next candidate.
+checkpoint every rank sees, in reads of whole checksum chunks into one reused buffer; each chunk is verified
+before its bytes are used, and each tensor is copied from that buffer (a view: `elastic.checkpoint.blob`)
+into a staging tensor of its target; once every rank has read and verified its pieces, the staging tensors
+are copied into the live ones. A corrupt piece is never loaded: the group falls back to the next candidate
+with the state untouched.
 """
 
 from __future__ import annotations
@@ -26,19 +29,17 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint._traverse import get_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 
 from elastic._util.errors import (
     CheckpointCorruptError,
@@ -46,6 +47,7 @@ from elastic._util.errors import (
     CheckpointMismatchError,
     UntrustedCheckpointError,
 )
+from elastic.checkpoint.blob import tensor_in
 from elastic.checkpoint.codec import MANIFEST
 from elastic.checkpoint.content import FileRecord, HashingWriter, write_bytes
 from elastic.checkpoint.manifest import (
@@ -370,12 +372,22 @@ def save_sharded(state: Any, config: StateConfig, g: Collective, options: SaveOp
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner that unpickles only plain data unless the caller trusts the checkpoint."""
+    """DCP's load planner over the live state dict that reads every tensor into a staging tensor of its own
+    (`commit` copies them in once every rank has read and verified its pieces), and unpickles only plain
+    data unless the caller trusts the checkpoint."""
 
     def __init__(self, trusted: bool, strict: bool) -> None:
         super().__init__(allow_partial_load=not strict)
         self.trusted = trusted
         self.refused: list[str] = []
+        self.staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fqn: (live local tensor, staging)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        got = self.staged.get(index.fqn)
+        if got is None:
+            live = super().lookup_tensor(index)  # a DTensor's local tensor, or the plain tensor
+            got = self.staged[index.fqn] = (live, torch.empty_like(live))
+        return got[1]
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
@@ -385,9 +397,21 @@ class _LoadPlanner(DefaultLoadPlanner):
             return
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
 
+    def commit(self) -> Any:
+        """Copy the staged tensors into the live ones; the state dict to apply (objects set, the tensors
+        live)."""
+        for live, staging in self.staged.values():
+            live.copy_(staging)
+        self.staged.clear()
+        return self.original_state_dict
+
 
 class _Corrupt(Exception):
     pass
+
+
+#: Reads cover whole checksum chunks and merge neighbouring pieces up to this size: one buffer, reused.
+SPAN = 16 * 2**20
 
 
 def _read_pieces(
@@ -398,12 +422,15 @@ def _read_pieces(
     planner: _LoadPlanner,
     md: Metadata,
 ) -> None:
-    """DCP's reads of `plan`, each piece's chunks verified against the manifest before it is used."""
+    """DCP's reads of `plan`, each chunk verified against the manifest before its bytes are used, each
+    tensor copied from the read buffer straight into its target (no ``torch.load`` copy when the blob is a
+    plain tensor: `tensor_in`)."""
     files = manifest["files"] if manifest is not None else None
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
         info = md.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append(item)
+    buf = bytearray()
     with storage.session(directory):
         for name, reqs in per_file.items():
             if files is None:  # a plain DCP checkpoint: nothing to verify against
@@ -413,67 +440,93 @@ def _read_pieces(
                 if rec is None or "crc32" not in rec:
                     raise _Corrupt(f"{name} is not listed in the manifest")
             with storage.open_read(storage.join(directory, name)) as f:
-                verifier = _Verifier(f, rec, name) if rec is not None else None
-                for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
-                    info = md.storage_data[req.storage_index]
-                    if verifier is None:
-                        f.seek(info.offset)
-                        data = memoryview(f.read(info.length))
-                    else:
-                        data = verifier.read(info.offset, info.length)
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(data))
-                        continue
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise _Corrupt(
-                            f"{name}: a piece of {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
-                            f"expected {tuple(target.size())}"
-                        )
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+                verifier = _Verifier(f, rec, name)
+                for start, stop, group in _spans(reqs, verifier, md):
+                    if len(buf) < stop - start:
+                        buf = bytearray(stop - start)
+                    view = verifier.read(start, stop, buf)
+                    for req in group:
+                        info = md.storage_data[req.storage_index]
+                        at = info.offset - start
+                        if req.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(req, io.BytesIO(view[at : at + info.length]))
+                            continue
+                        tensor = tensor_in(buf, at, info.length)
+                        if tensor is None:
+                            blob = io.BytesIO(view[at : at + info.length])
+                            tensor = torch.load(blob, map_location="cpu", weights_only=True)
+                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != tensor.size():
+                            raise _Corrupt(
+                                f"{name}: a piece of {req.storage_index.fqn} has shape "
+                                f"{tuple(tensor.size())}, expected {tuple(target.size())}"
+                            )
+                        target.copy_(tensor)
+                        planner.commit_tensor(req, target)
+                        del tensor
+                    del view
+
+
+def _spans(reqs: list[Any], verifier: _Verifier, md: Metadata) -> list[tuple[int, int, list[Any]]]:
+    """The reads of one file: (start, stop, requests), whole chunks, neighbours merged up to `SPAN`."""
+    out: list[tuple[int, int, list[Any]]] = []
+    for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
+        info = md.storage_data[req.storage_index]
+        a, b = verifier.bounds(info.offset, info.length)
+        if out and a <= out[-1][1] and max(b, out[-1][1]) - out[-1][0] <= SPAN:
+            start, stop, group = out[-1]
+            group.append(req)
+            out[-1] = (start, max(b, stop), group)
+        else:
+            out.append((a, b, [req]))
+    return out
 
 
 class _Verifier:
     """Reads of one checkpoint file, each 2 MiB chunk's CRC-32 checked once per load before its bytes are
-    used (pieces sorted by offset share their boundary chunks)."""
+    used (`rec` None: a plain DCP file, nothing to check)."""
 
-    def __init__(self, f: Any, rec: dict[str, Any], name: str) -> None:
+    def __init__(self, f: Any, rec: dict[str, Any] | None, name: str) -> None:
         self.f = f
-        self.chunk = int(rec["chunk"])
-        self.crcs = rec["crc32"]
-        self.size = int(rec["size"])
+        self.chunk = int(rec["chunk"]) if rec is not None else 1
+        self.crcs = rec["crc32"] if rec is not None else None
+        self.size = int(rec["size"]) if rec is not None else None
         self.name = name
         self.verified: set[int] = set()
 
-    def read(self, offset: int, length: int) -> memoryview:
-        """Bytes [offset, offset+length), every chunk they touch verified."""
+    def bounds(self, offset: int, length: int) -> tuple[int, int]:
+        """The bytes to read for [offset, offset+length): the whole chunks it touches."""
+        if self.size is None:
+            return offset, offset + length
         chunk = self.chunk
-        first = offset // chunk
-        last = (offset + length - 1) // chunk if length else first
-        start, stop = first * chunk, min((last + 1) * chunk, self.size)
+        last = (offset + length - 1) // chunk if length else offset // chunk
+        return offset // chunk * chunk, min((last + 1) * chunk, self.size)
+
+    def read(self, start: int, stop: int, buf: bytearray) -> memoryview:
+        """Bytes [start, stop) (chunk bounds) read into `buf`, every chunk among them verified."""
         self.f.seek(start)
-        buf = bytearray(stop - start)
-        view = memoryview(buf)
+        view = memoryview(buf)[: stop - start]
         got = 0
-        while got < len(buf):
+        while got < len(view):
             n = self.f.readinto(view[got:])
             if not n:
                 raise _Corrupt(f"{self.name} is shorter than the manifest says")
             got += n
-        for k in range(first, last + 1):
+        if self.crcs is None:
+            return view
+        chunk = self.chunk
+        for k in range(start // chunk, (stop + chunk - 1) // chunk):
             if k in self.verified:
                 continue
-            a = (k - first) * chunk
-            piece = view[a : min(a + chunk, len(buf))]
+            a = k * chunk - start
+            piece = view[a : min(a + chunk, len(view))]
             if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
                 raise _Corrupt(
                     f"{self.name}: chunk {k} (bytes {k * chunk}-{k * chunk + len(piece)}) fails its checksum"
                 )
             self.verified.add(k)
-        return view[offset - start : offset - start + length]
+        return view
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -521,20 +574,6 @@ def _load_metadata(raw: bytes, trusted: bool, where: Any) -> Metadata:
     except pickle.UnpicklingError as exc:
         msg = f"{where}: {exc}; pass trusted=True only if you trust this checkpoint"
         raise _UntrustedMetadata(msg) from exc
-
-
-def _staging(sd: Any) -> Any:
-    """A copy of `sd` to read into: DTensors and tensors as empty ones of the same layout, the rest kept."""
-    if isinstance(sd, dict):
-        return {k: _staging(v) for k, v in sd.items()}
-    if isinstance(sd, DTensor):
-        local = torch.empty_like(sd._local_tensor)
-        return DTensor.from_local(
-            local, sd.device_mesh, sd.placements, run_check=False, shape=sd.shape, stride=sd.stride()
-        )
-    if isinstance(sd, torch.Tensor):
-        return torch.empty_like(sd)
-    return sd
 
 
 @attrs.frozen
@@ -616,13 +655,13 @@ def load_sharded(
             and not exceeds(cand.tenure, memory.tenure, f"checkpoint {cand.path}", "the in-memory state", op)
         ):
             break
-        verdict, stage = _read_into_staging(state, options, cand)
+        verdict, planner = _read_into_staging(state, options, cand)
         verdicts = g.gather(verdict, "load-read")
         bad = [(r, v) for r, v in enumerate(verdicts) if v.kind != "ok"]
         if not bad:
             set_lineage(state, token=None, torn=True)  # until every rank has applied it
             try:
-                apply_sharded(state, stage, "save")
+                apply_sharded(state, cast(_LoadPlanner, planner).commit(), "save")
                 failed = None
             except Exception as exc:
                 failed = f"{type(exc).__name__}: {exc}"
@@ -672,8 +711,8 @@ def _memory_version(records: Sequence[ShardRecord], layout: Any, ranks: Sequence
         return None
 
 
-def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_Verdict, Any]:
-    """Read this rank's pieces of `cand` into a staging copy of the state's sharded state dict."""
+def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_Verdict, _LoadPlanner | None]:
+    """Read this rank's pieces of `cand` into staging tensors (the planner's: its `commit` applies them)."""
     storage = options.storage
     directory = storage.result(cand.path)
     try:
@@ -682,21 +721,18 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
         if manifest is not None and (rec is None or "crc32" not in rec):
             return _Verdict("corrupt", f"{METADATA} is not listed in the manifest"), None
         with storage.open_read(storage.join(directory, METADATA)) as f:
-            raw = f.read() if rec is None else bytes(_Verifier(f, rec, METADATA).read(0, rec["size"]))
+            if rec is None:
+                raw = f.read()
+            else:
+                raw = bytes(_Verifier(f, rec, METADATA).read(0, rec["size"], bytearray(rec["size"])))
         md = _load_metadata(raw, options.trusted, cand.path)
         live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
-        stage = _staging(live)
         planner = _LoadPlanner(options.trusted, options.strict)
-        planner.set_up_planner(stage, md, False)
+        planner.set_up_planner(live, md, False)
         try:
             plan = planner.finish_plan(planner.create_local_plan())
         except Exception as exc:
             return _Verdict("mismatch", f"{cand.path} does not match the state: {exc}"), None
-        if not options.strict:  # what the checkpoint lacks keeps its current value, not the staging's
-            saved = set(md.state_dict_metadata)
-            for key, where in planner.mappings.items():
-                if key not in saved:
-                    set_element(stage, where, get_element(live, where))
         _read_pieces(storage, directory, manifest, plan, planner, md)
         if planner.refused:
             return _Verdict(
@@ -704,7 +740,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
                 f"{cand.path} holds pickled objects in {planner.refused[:5]}; pass trusted=True only "
                 "for checkpoints you trust",
             ), None
-        return _Verdict(), planner.original_state_dict
+        return _Verdict(), planner
     except _UntrustedMetadata as exc:
         return _Verdict("untrusted", str(exc)), None
     except _Corrupt as exc:
