@@ -92,3 +92,29 @@ def test_a_pickle_naming_anything_else_is_never_run() -> None:
     finally:
         os.system = real
     assert calls == []
+
+
+def test_locate_reads_only_the_directory_and_pickle_and_extent_bounds_a_narrowed_piece() -> None:
+    from elastic.checkpoint.blob import locate, view_of
+
+    value = torch.randn(1000, 256)
+    raw = saved(value)
+    asked: list[tuple[int, int]] = []
+
+    def read(a: int, b: int) -> memoryview:
+        asked.append((a, b))
+        return memoryview(raw)[a:b]
+
+    layout = locate(read, len(raw))
+    assert layout is not None and layout.size == (1000, 256) and layout.dtype == torch.float32
+    assert sum(b - a for a, b in asked) < 4096  # never the values themselves
+    lo, hi = layout.extent([100, 0], [50, 256])
+    assert (lo, hi) == (100 * 256, 150 * 256)
+    assert layout.extent([100, 8], [50, 16]) == (100 * 256 + 8, 149 * 256 + 8 + 16)
+    assert layout.extent([990, 0], [20, 256]) is None  # beyond the saved piece
+    assert layout.extent([0], [5]) is None  # another rank
+    # the narrowed piece over just its bytes
+    start = layout.data + lo * 4
+    part = bytearray(raw[start : layout.data + hi * 4])
+    got = view_of(part, 0, layout.dtype, hi - lo, [50, 256], layout.stride)
+    assert torch.equal(got, value[100:150])

@@ -17,11 +17,13 @@ import io
 import pickle
 import struct
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 
-__all__ = ["tensor_in"]
+__all__ = ["Layout", "locate", "tensor_in", "view_of"]
 
 _END = b"PK\x05\x06"  # end of the central directory
 _ENTRY = b"PK\x01\x02"  # a central directory entry
@@ -96,17 +98,50 @@ class _TensorPickle(pickle.Unpickler):
         return _Storage(dtype, str(key), int(numel))
 
 
-def _directory(view: memoryview) -> dict[str, _Record] | None:
+@attrs.frozen
+class Layout:
+    """Where a plain tensor's values lie in its `torch.save` blob."""
+
+    dtype: torch.dtype
+    data: int  # where the storage's bytes start, from the start of the blob
+    numel: int  # of the storage
+    offset: int  # the tensor's storage offset, in elements
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def extent(self, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
+        """The storage elements [lo, hi) that the tensor narrowed to `offsets`/`lengths` (per dimension)
+        touches; None when the narrowing does not fit the tensor."""
+        if len(offsets) != len(self.size) or len(lengths) != len(self.size):
+            return None
+        lo, last = self.offset, 0
+        for o, n, dim, st in zip(offsets, lengths, self.size, self.stride):
+            if o < 0 or n < 0 or o + n > dim or st < 0:
+                return None
+            if n == 0:
+                return lo, lo
+            lo += o * st
+            last += (n - 1) * st
+        return lo, lo + last + 1
+
+
+Read = Callable[[int, int], Any]  # bytes [a, b) of the blob
+
+
+def _directory(read: Read, length: int) -> dict[str, _Record] | None:
     """The zip's stored (uncompressed) records by name; None for anything this reader does not expect."""
-    n = len(view)
-    end = n - _END_SIZE
-    if end < 0 or view[end : end + 4] != _END:  # a comment or a zip64 end: not what torch.save writes
+    end = length - _END_SIZE
+    if end < 0:
         return None
-    count, size, start = struct.unpack_from("<HII", view, end + 10)
+    tail = read(end, length)
+    if tail[:4] != _END:  # a comment or a zip64 end: not what torch.save writes
+        return None
+    count, size, start = struct.unpack_from("<HII", tail, 10)
     if start + size > end:
         return None
+    view = read(start, start + size)
     out: dict[str, _Record] = {}
-    at = start
+    at = 0
     for _ in range(count):
         if view[at : at + 4] != _ENTRY:
             return None
@@ -121,12 +156,58 @@ def _directory(view: memoryview) -> dict[str, _Record] | None:
     return out
 
 
-def _data_start(view: memoryview, record: _Record) -> int | None:
+def _data_start(read: Read, record: _Record) -> int | None:
     at = record.header
-    if view[at : at + 4] != _LOCAL:
+    head = read(at, at + 30)
+    if head[:4] != _LOCAL:
         return None
-    nlen, xlen = struct.unpack_from("<HH", view, at + 26)
+    nlen, xlen = struct.unpack_from("<HH", head, 26)
     return at + 30 + nlen + xlen
+
+
+def locate(read: Read, length: int) -> Layout | None:
+    """Where the values of the tensor `torch.save` wrote into a blob of `length` bytes lie, reading only
+    its zip directory and pickle through ``read(a, b)`` (bytes [a, b) of the blob).
+
+    Args:
+        read: returns the blob's bytes [a, b) (a buffer).
+        length: the blob's size in bytes.
+
+    Returns:
+        The tensor's `Layout`, or None when the blob is not a plain little-endian tensor this reader
+        understands (use ``torch.load`` then).
+    """
+    try:
+        records = _directory(read, length)
+        if not records:
+            return None
+        prefix = next(iter(records)).split("/", 1)[0]
+        order = records.get(f"{prefix}/byteorder")
+        if order is not None:
+            start = _data_start(read, order)
+            if start is None or bytes(read(start, start + order.size)) != sys.byteorder.encode():
+                return None
+        elif sys.byteorder != "little":
+            return None
+        pkl = records.get(f"{prefix}/data.pkl")
+        if pkl is None or (start := _data_start(read, pkl)) is None:
+            return None
+        rebuilt = _TensorPickle(io.BytesIO(read(start, start + pkl.size))).load()
+        if not isinstance(rebuilt, _Rebuilt):
+            return None
+        storage = rebuilt.storage
+        data = records.get(f"{prefix}/data/{storage.key}")
+        if data is None or (start := _data_start(read, data)) is None:
+            return None
+        if storage.numel * storage.dtype.itemsize > data.size or start + data.size > length:
+            return None
+        layout = Layout(storage.dtype, start, storage.numel, rebuilt.offset, rebuilt.size, rebuilt.stride)
+        whole = layout.extent([0] * len(layout.size), layout.size)
+        if whole is None or whole[1] > storage.numel:
+            return None
+        return layout
+    except (_NotPlain, pickle.UnpicklingError, struct.error, ValueError, TypeError, EOFError, RuntimeError):
+        return None
 
 
 def tensor_in(buffer: Any, offset: int, length: int) -> torch.Tensor | None:
@@ -142,31 +223,25 @@ def tensor_in(buffer: Any, offset: int, length: int) -> torch.Tensor | None:
         the blob is not a plain little-endian tensor this reader understands (use ``torch.load`` then).
     """
     view = memoryview(buffer)[offset : offset + length]
-    try:
-        records = _directory(view)
-        if not records:
-            return None
-        prefix = next(iter(records)).split("/", 1)[0]
-        order = records.get(f"{prefix}/byteorder")
-        if order is not None:
-            start = _data_start(view, order)
-            if start is None or bytes(view[start : start + order.size]) != sys.byteorder.encode():
-                return None
-        elif sys.byteorder != "little":
-            return None
-        pkl = records.get(f"{prefix}/data.pkl")
-        if pkl is None or (start := _data_start(view, pkl)) is None:
-            return None
-        rebuilt = _TensorPickle(io.BytesIO(view[start : start + pkl.size])).load()
-        if not isinstance(rebuilt, _Rebuilt):
-            return None
-        storage = rebuilt.storage
-        data = records.get(f"{prefix}/data/{storage.key}")
-        if data is None or (start := _data_start(view, data)) is None:
-            return None
-        if storage.numel * storage.dtype.itemsize > data.size or start + data.size > length:
-            return None
-        flat = torch.frombuffer(buffer, dtype=storage.dtype, count=storage.numel, offset=offset + start)
-        return flat.as_strided(rebuilt.size, rebuilt.stride, rebuilt.offset)
-    except (_NotPlain, pickle.UnpicklingError, struct.error, ValueError, TypeError, EOFError, RuntimeError):
+    layout = locate(lambda a, b: view[a:b], length)
+    if layout is None:
         return None
+    return view_of(
+        buffer, offset + layout.data, layout.dtype, layout.numel, layout.size, layout.stride, layout.offset
+    )
+
+
+def view_of(
+    buffer: Any,
+    at: int,
+    dtype: torch.dtype,
+    count: int,
+    size: Sequence[int],
+    stride: Sequence[int],
+    offset: int = 0,
+) -> torch.Tensor:
+    """A tensor over `count` elements of `dtype` stored in `buffer` from byte `at` (no copy)."""
+    if count == 0:
+        return torch.empty(tuple(size), dtype=dtype)
+    flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at)
+    return flat.as_strided(tuple(size), tuple(stride), offset)

@@ -5,23 +5,25 @@ A sharded checkpoint is a DCP checkpoint: one ``__<rank>_0.distcp`` file per wri
 ``torch.distributed.checkpoint.load(state.state_dict(), checkpoint_id=path)`` reads it on any mesh. The
 library adds what DCP leaves out, by its own rules (`elastic.checkpoint.storage`): the files are written
 into a pending checkpoint and published atomically with the manifest last, every file is checksummed
-(CRC-32 per 2 MiB chunk, listed in the manifest), retention keeps the most tenured, and fsspec URLs work.
+(CRC-32 per chunk, listed in the manifest; small chunks: `chunk_for`), retention keeps the most tenured,
+and fsspec URLs work.
 
 Writers: the elected version's holder of each shard position writes that position's pieces (one writer
 per position, in parallel); the rank sending the version's objects writes the plain leaves. DCP's plans are
 exchanged with the library's own collectives, so that a save can run its file writes in a background
 thread (``blocking=False``) while training goes on.
 
-Loading: every rank reads the pieces its new shards overlap (DCP's load planner computes which), from a
-checkpoint every rank sees, in reads of whole checksum chunks into one reused buffer; each chunk is verified
-before its bytes are used, and each tensor is copied from that buffer (a view: `elastic.checkpoint.blob`)
-into a staging tensor of its target; once every rank has read and verified its pieces, the staging tensors
-are copied into the live ones. A corrupt piece is never loaded: the group falls back to the next candidate
-with the state untouched.
+Loading: every rank reads what its new shards overlap (DCP's load planner computes which saved pieces), from
+a checkpoint every rank sees: of each saved piece's `torch.save` blob only its zip directory, its pickle and
+the chunks holding the values the rank needs (`elastic.checkpoint.blob`), into one reused buffer; each chunk
+is verified before its bytes are used, and copied from that buffer into a staging tensor of its target; once
+every rank has read and verified its pieces, the staging tensors are copied into the live ones. A corrupt
+piece is never loaded: the group falls back to the next candidate with the state untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -47,9 +49,9 @@ from elastic._util.errors import (
     CheckpointMismatchError,
     UntrustedCheckpointError,
 )
-from elastic.checkpoint.blob import tensor_in
+from elastic.checkpoint.blob import locate, view_of
 from elastic.checkpoint.codec import MANIFEST
-from elastic.checkpoint.content import FileRecord, HashingWriter, write_bytes
+from elastic.checkpoint.content import CHUNK, FileRecord, HashingWriter, write_bytes
 from elastic.checkpoint.manifest import (
     DCP_LAYOUT,
     DCP_METADATA,
@@ -124,6 +126,20 @@ class _Written:
     error: str | None = None
 
 
+#: A sharded file's checksum chunks: small, so that a rank reading part of a saved piece reads (and
+#: verifies) little more than that part, and at most about `MAX_CHUNKS` of them (their CRCs are listed in the
+#: manifest).
+MIN_CHUNK, MAX_CHUNKS = 64 * 2**10, 4096
+
+
+def chunk_for(nbytes: int) -> int:
+    """The checksum chunk of a sharded file of about `nbytes`: a power of two from `MIN_CHUNK` to `CHUNK`."""
+    chunk = MIN_CHUNK
+    while chunk < CHUNK and chunk * MAX_CHUNKS < nbytes:
+        chunk *= 2
+    return chunk
+
+
 def _write_file(
     storage: Storage, handle: Any, name: str, items: list[tuple[WriteItem, Any]], rank: int
 ) -> _Written:
@@ -133,8 +149,11 @@ def _write_file(
     try:
         fault_point("write", rank)
         results = []
+        chunk = chunk_for(
+            sum(d.numel() * d.element_size() for i, d in items if i.type != WriteItemType.BYTE_IO)
+        )
         with contribution.create(name) as sink:
-            writer = HashingWriter(sink)
+            writer = HashingWriter(sink, chunk)
             ordered = [x for x in items if x[0].type == WriteItemType.BYTE_IO]
             ordered += [x for x in items if x[0].type != WriteItemType.BYTE_IO]
             for item, data in ordered:
@@ -154,7 +173,7 @@ def _write_file(
             writer.flush()
             sink.sync()
         return _Written(
-            tuple(results), FileRecord(name, writer.size, writer.digest(), crcs=tuple(writer.chunk_crcs()))
+            tuple(results), FileRecord(name, writer.size, writer.digest(), chunk, tuple(writer.chunk_crcs()))
         )
     except Exception as exc:
         return _Written(error=storage.explain(exc) or explain(exc))
@@ -410,10 +429,6 @@ class _Corrupt(Exception):
     pass
 
 
-#: Reads cover whole checksum chunks and merge neighbouring pieces up to this size: one buffer, reused.
-SPAN = 16 * 2**20
-
-
 def _read_pieces(
     storage: Storage,
     directory: Any,
@@ -422,15 +437,28 @@ def _read_pieces(
     planner: _LoadPlanner,
     md: Metadata,
 ) -> None:
-    """DCP's reads of `plan`, each chunk verified against the manifest before its bytes are used, each
-    tensor copied from the read buffer straight into its target (no ``torch.load`` copy when the blob is a
-    plain tensor: `tensor_in`)."""
+    """DCP's reads of `plan`, each chunk verified against the manifest before its bytes are used.
+
+    A tensor's blob is not read whole: its zip directory and pickle say where its values lie
+    (`elastic.checkpoint.blob.locate`), and only the chunks holding the values this rank's piece needs are
+    read, into one reused buffer, and copied from there into the target (a blob `locate` does not know is
+    read whole and goes through ``torch.load``)."""
     files = manifest["files"] if manifest is not None else None
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
         info = md.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append(item)
     buf = bytearray()
+
+    def into_buffer(chunks: _Chunks, a: int, b: int) -> int:
+        """Bytes [a, b) of the file in `buf` (whole chunks, verified); where byte `a` is in `buf`."""
+        nonlocal buf
+        start, stop = chunks.bounds(a, b)
+        if len(buf) < stop - start:
+            buf = bytearray(stop - start)
+        chunks.read(start, stop, buf)
+        return a - start
+
     with storage.session(directory):
         for name, reqs in per_file.items():
             if files is None:  # a plain DCP checkpoint: nothing to verify against
@@ -440,93 +468,130 @@ def _read_pieces(
                 if rec is None or "crc32" not in rec:
                     raise _Corrupt(f"{name} is not listed in the manifest")
             with storage.open_read(storage.join(directory, name)) as f:
-                verifier = _Verifier(f, rec, name)
-                for start, stop, group in _spans(reqs, verifier, md):
-                    if len(buf) < stop - start:
-                        buf = bytearray(stop - start)
-                    view = verifier.read(start, stop, buf)
-                    for req in group:
-                        info = md.storage_data[req.storage_index]
-                        at = info.offset - start
-                        if req.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(req, io.BytesIO(view[at : at + info.length]))
-                            continue
-                        tensor = tensor_in(buf, at, info.length)
-                        if tensor is None:
-                            blob = io.BytesIO(view[at : at + info.length])
-                            tensor = torch.load(blob, map_location="cpu", weights_only=True)
-                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                        target = planner.resolve_tensor(req).detach()
-                        if target.size() != tensor.size():
+                chunks = _Chunks(f, rec, name)
+                for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
+                    info = md.storage_data[req.storage_index]
+                    fqn = req.storage_index.fqn
+                    if req.type == LoadItemType.BYTE_IO:
+                        at = into_buffer(chunks, info.offset, info.offset + info.length)
+                        planner.load_bytes(req, io.BytesIO(memoryview(buf)[at : at + info.length]))
+                        continue
+                    base = info.offset
+                    layout = locate(functools.partial(_in_blob, chunks, base), info.length)
+                    if layout is not None:
+                        extent = layout.extent(req.storage_offsets, req.lengths)
+                        if extent is None:
                             raise _Corrupt(
-                                f"{name}: a piece of {req.storage_index.fqn} has shape "
-                                f"{tuple(tensor.size())}, expected {tuple(target.size())}"
+                                f"{name}: the saved piece of {fqn} has shape {layout.size}, which holds no "
+                                f"region at {tuple(req.storage_offsets)} of {tuple(req.lengths)}"
                             )
-                        target.copy_(tensor)
-                        planner.commit_tensor(req, target)
-                        del tensor
-                    del view
+                        lo, hi = extent
+                        size = layout.dtype.itemsize
+                        a = base + layout.data + lo * size
+                        at = into_buffer(chunks, a, a + (hi - lo) * size)
+                        tensor = view_of(buf, at, layout.dtype, hi - lo, req.lengths, layout.stride)
+                    else:
+                        at = into_buffer(chunks, base, base + info.length)
+                        blob = io.BytesIO(memoryview(buf)[at : at + info.length])
+                        tensor = torch.load(blob, map_location="cpu", weights_only=True)
+                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise _Corrupt(
+                            f"{name}: a piece of {fqn} has shape {tuple(tensor.size())}, expected "
+                            f"{tuple(target.size())}"
+                        )
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+                    del tensor
 
 
-def _spans(reqs: list[Any], verifier: _Verifier, md: Metadata) -> list[tuple[int, int, list[Any]]]:
-    """The reads of one file: (start, stop, requests), whole chunks, neighbours merged up to `SPAN`."""
-    out: list[tuple[int, int, list[Any]]] = []
-    for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
-        info = md.storage_data[req.storage_index]
-        a, b = verifier.bounds(info.offset, info.length)
-        if out and a <= out[-1][1] and max(b, out[-1][1]) - out[-1][0] <= SPAN:
-            start, stop, group = out[-1]
-            group.append(req)
-            out[-1] = (start, max(b, stop), group)
-        else:
-            out.append((a, b, [req]))
-    return out
+def _in_blob(chunks: _Chunks, base: int, a: int, b: int) -> Any:
+    return chunks.small(base + a, base + b)
 
 
-class _Verifier:
-    """Reads of one checkpoint file, each 2 MiB chunk's CRC-32 checked once per load before its bytes are
-    used (`rec` None: a plain DCP file, nothing to check)."""
+class _Chunks:
+    """Reads of one checkpoint file, each chunk's CRC-32 checked once per load before any of its bytes is
+    used; the last few chunks of small reads (a blob's zip directory and pickle) are kept. `rec` None: a
+    plain DCP file, nothing to check."""
+
+    KEPT = 4
 
     def __init__(self, f: Any, rec: dict[str, Any] | None, name: str) -> None:
         self.f = f
-        self.chunk = int(rec["chunk"]) if rec is not None else 1
+        self.chunk = int(rec["chunk"]) if rec is not None else 0
         self.crcs = rec["crc32"] if rec is not None else None
-        self.size = int(rec["size"]) if rec is not None else None
+        self.size = int(rec["size"]) if rec is not None else 0
         self.name = name
         self.verified: set[int] = set()
+        self.kept: dict[int, bytes] = {}
 
-    def bounds(self, offset: int, length: int) -> tuple[int, int]:
-        """The bytes to read for [offset, offset+length): the whole chunks it touches."""
-        if self.size is None:
-            return offset, offset + length
+    def bounds(self, a: int, b: int) -> tuple[int, int]:
+        """What to read for bytes [a, b): the whole chunks they touch."""
+        if self.crcs is None:
+            return a, b
         chunk = self.chunk
-        last = (offset + length - 1) // chunk if length else offset // chunk
-        return offset // chunk * chunk, min((last + 1) * chunk, self.size)
+        last = (b - 1) // chunk if b > a else a // chunk
+        return a // chunk * chunk, min((last + 1) * chunk, self.size)
 
-    def read(self, start: int, stop: int, buf: bytearray) -> memoryview:
-        """Bytes [start, stop) (chunk bounds) read into `buf`, every chunk among them verified."""
-        self.f.seek(start)
-        view = memoryview(buf)[: stop - start]
+    def _fill(self, view: memoryview) -> None:
         got = 0
         while got < len(view):
             n = self.f.readinto(view[got:])
             if not n:
                 raise _Corrupt(f"{self.name} is shorter than the manifest says")
             got += n
-        if self.crcs is None:
-            return view
-        chunk = self.chunk
-        for k in range(start // chunk, (stop + chunk - 1) // chunk):
-            if k in self.verified:
-                continue
-            a = k * chunk - start
-            piece = view[a : min(a + chunk, len(view))]
-            if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
-                raise _Corrupt(
-                    f"{self.name}: chunk {k} (bytes {k * chunk}-{k * chunk + len(piece)}) fails its checksum"
-                )
-            self.verified.add(k)
+
+    def _check(self, k: int, piece: Any) -> None:
+        assert self.crcs is not None
+        if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
+            start = k * self.chunk
+            msg = f"{self.name}: chunk {k} (bytes {start}-{start + len(piece)}) fails its checksum"
+            raise _Corrupt(msg)
+        self.verified.add(k)
+
+    def read(self, start: int, stop: int, buf: bytearray) -> memoryview:
+        """Bytes [start, stop) (chunk bounds) read into `buf`, every chunk among them verified."""
+        self.f.seek(start)
+        view = memoryview(buf)[: stop - start]
+        self._fill(view)
+        if self.crcs is not None:
+            chunk = self.chunk
+            for k in range(start // chunk, (stop + chunk - 1) // chunk):
+                if k not in self.verified:
+                    a = k * chunk - start
+                    self._check(k, view[a : min(a + chunk, len(view))])
         return view
+
+    def _one(self, k: int) -> bytes:
+        got = self.kept.pop(k, None)
+        if got is None:
+            start = k * self.chunk
+            data = bytearray(min(self.chunk, self.size - start))
+            self.f.seek(start)
+            self._fill(memoryview(data))
+            self._check(k, data)
+            got = bytes(data)
+        self.kept[k] = got  # the most recent last
+        while len(self.kept) > self.KEPT:
+            del self.kept[next(iter(self.kept))]
+        return got
+
+    def small(self, a: int, b: int) -> Any:
+        """Bytes [a, b) of the file, verified (for reads of a few bytes: whole chunks are kept)."""
+        if self.crcs is None:
+            self.f.seek(a)
+            data = bytearray(b - a)
+            self._fill(memoryview(data))
+            return data
+        if b <= a:
+            return b""
+        chunk = self.chunk
+        first, last = a // chunk, (b - 1) // chunk
+        if first == last:
+            return memoryview(self._one(first))[a - first * chunk : b - first * chunk]
+        joined = b"".join(self._one(k) for k in range(first, last + 1))
+        return memoryview(joined)[a - first * chunk : b - first * chunk]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -724,7 +789,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             if rec is None:
                 raw = f.read()
             else:
-                raw = bytes(_Verifier(f, rec, METADATA).read(0, rec["size"], bytearray(rec["size"])))
+                raw = bytes(_Chunks(f, rec, METADATA).read(0, rec["size"], bytearray(rec["size"])))
         md = _load_metadata(raw, options.trusted, cand.path)
         live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
         planner = _LoadPlanner(options.trusted, options.strict)
