@@ -51,7 +51,7 @@ from elastic._util.errors import (
 )
 from elastic.checkpoint.blob import locate, view_of
 from elastic.checkpoint.codec import MANIFEST
-from elastic.checkpoint.content import CHUNK, FileRecord, HashingWriter, write_bytes
+from elastic.checkpoint.content import CHUNK, FileRecord, HashingWriter, without_zip_crc, write_bytes
 from elastic.checkpoint.manifest import (
     DCP_LAYOUT,
     DCP_METADATA,
@@ -141,7 +141,7 @@ def chunk_for(nbytes: int) -> int:
 
 
 def _write_file(
-    storage: Storage, handle: Any, name: str, items: list[tuple[WriteItem, Any]], rank: int
+    storage: Storage, handle: Any, name: str, items: list[tuple[WriteItem, Any]], rank: int, foreground: bool
 ) -> _Written:
     """Write this rank's items into `name` of the pending checkpoint, as DCP's `FileSystemWriter` lays them
     out (bytes first, then `torch.save` of each tensor), checksummed, and sync it."""
@@ -152,7 +152,7 @@ def _write_file(
         chunk = chunk_for(
             sum(d.numel() * d.element_size() for i, d in items if i.type != WriteItemType.BYTE_IO)
         )
-        with contribution.create(name) as sink:
+        with contribution.create(name) as sink, without_zip_crc(foreground):
             writer = HashingWriter(sink, chunk)
             ordered = [x for x in items if x[0].type == WriteItemType.BYTE_IO]
             ordered += [x for x in items if x[0].type != WriteItemType.BYTE_IO]
@@ -223,7 +223,7 @@ class ShardedWrite:
             self._work()
 
     def _work(self) -> None:
-        self._written = _write_file(*self._args)
+        self._written = _write_file(*self._args, foreground=self.thread is None)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
