@@ -157,7 +157,7 @@ def run_worker(root: str, kill_at: int, until: int) -> dict[str, Any]:
     gathered: deque[tuple[int, dict[str, Any]]] = deque(maxlen=2)  # the whole state after the last 2 steps
 
     def fn(state: TrainState, world: elastic.World) -> str:
-        shape = tuple(world.mesh.mesh.shape)
+        entered, shape = time.time(), tuple(world.mesh.mesh.shape)
         before = {step: digest(values(full)) for step, full in gathered}.get(state.step)
         now = digest(values(full_state(state)))  # collective, as every gather
         record["generations"].append(
@@ -167,7 +167,7 @@ def run_worker(root: str, kill_at: int, until: int) -> dict[str, Any]:
                 "mesh": shape,
                 "names": world.mesh.mesh_dim_names,
                 "step": state.step,
-                "time": time.time(),
+                "time": entered,
                 "digest": now,
                 "before": before,
             }
