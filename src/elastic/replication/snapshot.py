@@ -269,6 +269,7 @@ class Snapshots:
                 for e in self._entries:
                     e.committed = e.round == number
                 self._entries = [e for e in self._entries if e.round == number]
+                log.debug("snapshots: round %d committed (%d bytes sent)", number, buf.numel())
         if failure is not None and self._ring is ring:
             log.warning(
                 "snapshots: round %d was not committed (%s: %s)", number, type(failure).__name__, failure
