@@ -184,14 +184,14 @@ class Built:
                 src, value = sync_report.src, sync_report.tenure
         self.snapshots.settle(value, from_snapshot)
         self.state, self.held, self.layout = new, None, world.generation
-        if self.snapshot_every is not None:  # the ring's own group: every rank creates it, in order
+        if self.snapshot_every is not None:
             import torch.distributed as dist
 
-            ring = dist.new_group(backend="gloo", timeout=self.timeout)
             me = dist.get_rank()
-            self.snapshots.open(
-                ring, me, ring_peers(layout_of(world.mesh), me), world.generation, self.timeout
-            )
+            peers = ring_peers(layout_of(world.mesh), me)  # None alike on every rank: one shard position
+            # the ring's own group (gloo: snapshots live in CPU memory), created by every rank in order
+            ring = dist.new_group(backend="gloo", timeout=self.timeout) if peers is not None else None
+            self.snapshots.open(ring, me, peers, world.generation, self.timeout)
         return src, value
 
 
