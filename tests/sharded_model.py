@@ -1,12 +1,14 @@
 """A small sharded state for the tests: an MLP under FSDP2 (`fully_shard` per layer and on the root), Adam,
 a DTensor table sharded on its second dimension (a tensor-parallel placement next to FSDP's), and a step.
 
-`full` gathers the whole state with torch's own `full_state_dict` (every rank gets it), `same` compares two
-gathers bit for bit. Dimensions are chosen so that shards are uneven on every mesh of 2-5 ranks.
+`full` gathers the whole state with torch's own `full_state_dict` (every rank gets it), `differences` compares
+two gathers bit for bit, `digest` names one by a hash of its bytes. Dimensions are chosen so that shards are
+uneven on every mesh of 2-5 ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -104,6 +106,27 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
         same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         return [] if same else [path]
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+def digest(gathered: Any) -> str:
+    """A short hash of a gather (`full`): keys, tensors' bytes and other values' reprs."""
+    h = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                feed(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                feed(v)
+        elif isinstance(value, torch.Tensor):
+            h.update(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+
+    feed(gathered)
+    return h.hexdigest()[:16]
 
 
 def perturb(state: Sharded, by: float = 1.0) -> None:

@@ -107,7 +107,7 @@ def test_locate_reads_only_the_directory_and_pickle_and_extent_bounds_a_narrowed
 
     layout = locate(read, len(raw))
     assert layout is not None and layout.size == (1000, 256) and layout.dtype == torch.float32
-    assert sum(b - a for a, b in asked) < 4096  # never the values themselves
+    assert sum(b - a for a, b in asked) <= 2 * 4096  # its head and its tail, never the values themselves
     lo, hi = layout.extent([100, 0], [50, 256])
     assert (lo, hi) == (100 * 256, 150 * 256)
     assert layout.extent([100, 8], [50, 16]) == (100 * 256 + 8, 149 * 256 + 8 + 16)

@@ -588,6 +588,17 @@ def test_check_exchanges_the_flag_every_check_every_calls(single_group: Any) -> 
     assert not isinstance(info.value, Exception)  # user code's `except Exception` does not swallow it
 
 
+def test_check_takes_a_builders_snapshot_every_snapshot_every_calls(single_group: Any) -> None:
+    rdzv = FakeRendezvous({"a"})
+    world = make_world(rdzv, group=single_group, check_every=3)
+    taken: list[int] = []
+    world._snapshot = (2, lambda: taken.append(world._calls))
+    for _ in range(7):
+        world.check()
+    assert taken == [2, 4, 6]  # on its own count, whatever check_every is
+    assert rdzv.pending_calls == 2
+
+
 def test_a_sigterm_makes_check_leave(single_group: Any) -> None:
     rdzv = FakeRendezvous({"a"})
     with _run._Departure() as departure:
@@ -658,6 +669,16 @@ def test_bad_arguments() -> None:
         elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", max_workers=3, first_workers=4)
     with pytest.raises(TypeError):
         elastic.run(lambda s, w: None, object(), rdzv="127.0.0.1:1")
+    with pytest.raises(
+        TypeError, match=r"snapshot_every=5\): snapshots are for sharded states.*drop snapshot_every"
+    ):
+        elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", snapshot_every=5)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=r"snapshot_every=\.\.\.\) must be an int >= 1, got"):
+            elastic.run(lambda s, w: None, lambda world: None, rdzv="127.0.0.1:1", snapshot_every=bad)
+    for wrong in (2.5, True, "5"):
+        with pytest.raises(TypeError, match=r"snapshot_every=\.\.\.\) must be an int >= 1 or None"):
+            elastic.run(lambda s, w: None, lambda world: None, rdzv="127.0.0.1:1", snapshot_every=wrong)
     with pytest.raises(ValueError, match="restart"):
         elastic.spawn(lambda: None, 2, restart="machine")
     with pytest.raises(ValueError, match=r"backend='nccl', restart='worker'.*picks its backend itself"):

@@ -4,7 +4,6 @@ replacement joins and the mesh is 2x2 again; every worker ends with the same sta
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
@@ -20,28 +19,8 @@ STEPS = 24
 KILL_AT = 6
 
 
-def digest(gathered: Any) -> str:
-    h = hashlib.sha256()
-
-    def feed(value: Any) -> None:
-        if isinstance(value, dict):
-            for k in sorted(value, key=str):
-                h.update(str(k).encode())
-                feed(value[k])
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                feed(v)
-        elif hasattr(value, "numpy"):
-            h.update(value.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-
-    feed(gathered)
-    return h.hexdigest()[:16]
-
-
 def worker(mesh_of: Any) -> dict[str, Any]:
-    from sharded_model import build, full, train
+    from sharded_model import build, digest, full, train
 
     slot, life = int(os.environ["ELASTIC_SLOT"]), int(os.environ["ELASTIC_SLOT_RESTARTS"])
     record: dict[str, Any] = {"slot": slot, "life": life, "gens": [], "digests": {}, "starts": []}

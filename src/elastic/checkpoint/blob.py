@@ -29,6 +29,9 @@ _END = b"PK\x05\x06"  # end of the central directory
 _ENTRY = b"PK\x01\x02"  # a central directory entry
 _LOCAL = b"PK\x03\x04"  # a local file header
 _END_SIZE = 22
+#: How much of a blob's start (its pickle and the local headers before the values) and end (the central
+#: directory) `locate` reads at once.
+_HEAD = _TAIL = 4096
 #: The legacy storage classes a tensor's pickle names (``torch.FloatStorage``, ...) and their dtypes; others
 #: (quantized, newer dtypes) go through ``torch.load``.
 _DTYPES = {
@@ -177,6 +180,18 @@ def locate(read: Read, length: int) -> Layout | None:
         The tensor's `Layout`, or None when the blob is not a plain little-endian tensor this reader
         understands (use ``torch.load`` then).
     """
+    head = read(0, min(length, _HEAD))
+    tail_at = max(0, length - _TAIL)
+    tail = read(tail_at, length)
+
+    def near(a: int, b: int) -> Any:  # what torch.save writes around the values lies in the head or the tail
+        if b <= len(head):
+            return head[a:b]
+        if a >= tail_at:
+            return tail[a - tail_at : b - tail_at]
+        return read(a, b)
+
+    read = near
     try:
         records = _directory(read, length)
         if not records:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import math
 import os
+import struct
 import threading
 import zlib
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ import torch
 from elastic.checkpoint.storage.base import Pending, Sink, Storage
 
 __all__ = [
-    "without_zip_crc",
     "CHUNK",
     "HASH",
     "TREE_KEY",
@@ -38,7 +38,9 @@ __all__ = [
     "HashingWriter",
     "hash_file",
     "hash_stream",
+    "listed_crcs",
     "tree_root",
+    "without_zip_crc",
     "write_bytes",
     "write_content",
 ]
@@ -91,8 +93,18 @@ class FileRecord:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest}
         if self.crcs:
-            out["crc32"] = list(self.crcs)
+            out["crc32"] = "".join(f"{c:08x}" for c in self.crcs)  # one JSON string: cheap to encode
         return out
+
+
+def listed_crcs(record: dict[str, Any]) -> list[int]:
+    """The chunk CRC-32s a manifest's file record lists (a hex string, 8 digits a chunk, or a list of
+    ints as the first sharded checkpoints wrote them)."""
+    value = record["crc32"]
+    if isinstance(value, str):
+        raw = bytes.fromhex(value)
+        return list(struct.unpack(f">{len(raw) // 4}I", raw))
+    return [int(c) for c in value]
 
 
 class ChunkSum:

@@ -51,7 +51,14 @@ from elastic._util.errors import (
 )
 from elastic.checkpoint.blob import locate, view_of
 from elastic.checkpoint.codec import MANIFEST
-from elastic.checkpoint.content import CHUNK, FileRecord, HashingWriter, without_zip_crc, write_bytes
+from elastic.checkpoint.content import (
+    CHUNK,
+    FileRecord,
+    HashingWriter,
+    listed_crcs,
+    without_zip_crc,
+    write_bytes,
+)
 from elastic.checkpoint.manifest import (
     DCP_LAYOUT,
     DCP_METADATA,
@@ -81,7 +88,7 @@ from elastic.replication.sharded import (
 )
 from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict
+from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict, walks_alike
 from elastic.state.tenure import as_saveable, check_saveable, current, exceeds, order_key
 
 __all__ = ["LAYOUT", "METADATA", "ShardedWrite", "load_sharded", "save_sharded"]
@@ -520,7 +527,7 @@ class _Chunks:
     def __init__(self, f: Any, rec: dict[str, Any] | None, name: str) -> None:
         self.f = f
         self.chunk = int(rec["chunk"]) if rec is not None else 0
-        self.crcs = rec["crc32"] if rec is not None else None
+        self.crcs = listed_crcs(rec) if rec is not None else None
         self.size = int(rec["size"]) if rec is not None else 0
         self.name = name
         self.verified: set[int] = set()
@@ -689,7 +696,9 @@ def load_sharded(
     comm = g.comm
     op = "load"
     layout, ranks = group_layout(comm, mesh_of(state, "sync"), op)
-    record, _ = shard_record(state, config, layout, ranks[g.rank], "sync")
+    record, synced = shard_record(state, config, layout, ranks[g.rank], "sync")
+    # the same walk serves the read when the fields agree and no optimizer needs its state allocated
+    walked = synced if walks_alike(state) and all(has for _, has in record.stateful) else None
     try:
         if is_plain_dcp(options.root, options.storage):
             seen: tuple[_Seen, ...] = (_Seen(str(options.root), None, 0, 0, plain=True),)
@@ -720,7 +729,8 @@ def load_sharded(
             and not exceeds(cand.tenure, memory.tenure, f"checkpoint {cand.path}", "the in-memory state", op)
         ):
             break
-        verdict, planner = _read_into_staging(state, options, cand)
+        verdict, planner = _read_into_staging(state, options, cand, walked)
+        walked = None  # the planner wrote into it: a next candidate walks afresh
         verdicts = g.gather(verdict, "load-read")
         bad = [(r, v) for r, v in enumerate(verdicts) if v.kind != "ok"]
         if not bad:
@@ -776,8 +786,11 @@ def _memory_version(records: Sequence[ShardRecord], layout: Any, ranks: Sequence
         return None
 
 
-def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_Verdict, _LoadPlanner | None]:
-    """Read this rank's pieces of `cand` into staging tensors (the planner's: its `commit` applies them)."""
+def _read_into_staging(
+    state: Any, options: LoadOptions, cand: _Seen, walked: dict[str, Any] | None
+) -> tuple[_Verdict, _LoadPlanner | None]:
+    """Read this rank's pieces of `cand` into staging tensors (the planner's: its `commit` applies them);
+    `walked`: the state's `sharded_state_dict` if already made (a fresh one is made otherwise)."""
     storage = options.storage
     directory = storage.result(cand.path)
     try:
@@ -791,7 +804,10 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
             else:
                 raw = bytes(_Chunks(f, rec, METADATA).read(0, rec["size"], bytearray(rec["size"])))
         md = _load_metadata(raw, options.trusted, cand.path)
-        live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
+        if walked is not None:
+            live = walked
+        else:
+            live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
         planner = _LoadPlanner(options.trusted, options.strict)
         planner.set_up_planner(live, md, False)
         try:

@@ -7,8 +7,10 @@ generations: at the start of each one the previous state's pieces are held (`ela
 FSDP2 modules resharded first, in case a failure struck between an all-gather and its reshard), the old
 state is dropped, ``build(world)`` makes the new one on ``world.mesh`` and it is filled from the held
 pieces, every byte moved at most once, never through a disk. Sources, in order: live pieces at their
-tenure, then ``ckpt``, then a fresh sync (a first generation where nobody holds anything). A generation that
-fails while filling keeps the held pieces for the next one: nothing half-filled is ever trained on.
+tenure, then in-memory snapshots (``snapshot_every=k``: `elastic.replication.snapshot`), then ``ckpt``, then
+a fresh sync (a first generation where nobody holds anything); nobody holding a whole version and no
+``ckpt``: the `SyncError` naming what is missing. A generation that fails while filling keeps the held
+pieces and snapshots for the next one: nothing half-filled is ever trained on.
 
 FSDP2 binds its modules to the generation's process groups, so the state is rebuilt in every generation,
 also when the mesh shape stays (then each rank's pieces are mostly its own: local copies).
@@ -29,10 +31,11 @@ from elastic._util.errors import SyncError
 from elastic.checkpoint.saveload import load
 from elastic.replication.collective import Collective
 from elastic.replication.reshard import Held, hold, reshard
+from elastic.replication.snapshot import Snapshots, ring_peers
 from elastic.replication.sync import sync, tenure
 from elastic.state.config import config_of, is_elastic_state
 from elastic.state.lineage import lineage
-from elastic.state.shards import is_sharded
+from elastic.state.shards import is_sharded, layout_of
 
 __all__ = ["Built", "MeshPlan"]
 
@@ -106,18 +109,30 @@ class Built:
     plan: MeshPlan
     ckpt: Any
     timeout: timedelta
+    snapshot_every: int | None = None
     state: Any = None
     held: Held | None = None
+    #: the generation whose mesh `state` (and so `held`) was built on
+    layout: int = 0
+    snapshots: Snapshots = attrs.field(factory=Snapshots)
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = False) -> None:
         """The generation is over: keep the state's pieces and drop the state itself, so that nothing
         holds the generation's process groups (FSDP2 keeps its own references to them): their sockets
-        close when the group is destroyed, and a peer still blocked on this rank fails at once."""
+        close when the group is destroyed, and a peer still blocked on this rank fails at once. A
+        snapshot in flight is waited for when the generation ended by agreement (`wait`), else
+        abandoned."""
+        self.snapshots.close(wait=wait)
         old = self.state
         if old is not None and not lineage(old).torn:
             _reshard_fsdp(old)
-            self.held = hold(old, tenure(old))
+            self.held = hold(old, tenure(old), self.layout)
         self.state = old = None
+
+    def snapshot(self) -> None:
+        """Every `snapshot_every`-th ``world.check()``: a snapshot of the state (`Snapshots.take`)."""
+        if self.state is not None:
+            self.snapshots.take(self.state, tenure(self.state))
 
     def start(self, world: Any) -> tuple[int, Any]:
         """The generation's mesh, the new state and its filling. (source rank, tenure)"""
@@ -141,14 +156,21 @@ class Built:
             )
             raise TypeError(msg)
         group = Collective.of(None, self.timeout, "run")
-        holds = group.gather(self.held is not None and self.held.tenure is not None, "run-held")
+        offers = [h for h in [self.held, *self.snapshots.held()] if h is not None and h.tenure is not None]
+        holds = group.gather(bool(offers), "run-held")
         src, value = 0, None
-        filled = False
+        filled = from_snapshot = False
         if any(holds):
             try:
-                value, moved, src = reshard(new, self.held, group)
+                value, moved, src, from_snapshot = reshard(new, offers, group)
                 filled = True
-                log.info("run: filled the %s mesh from memory (%d bytes received here)", shape, moved)
+                log.info(
+                    "run: filled the %s mesh from %s at tenure %r (%d bytes received here)",
+                    shape,
+                    "snapshots" if from_snapshot else "live pieces",
+                    value,
+                    moved,
+                )
             except SyncError as exc:
                 if self.ckpt is None:
                     raise
@@ -160,7 +182,16 @@ class Built:
             else:
                 sync_report = sync(new, timeout=self.timeout)
                 src, value = sync_report.src, sync_report.tenure
-        self.state, self.held = new, None
+        self.snapshots.settle(value, from_snapshot)
+        self.state, self.held, self.layout = new, None, world.generation
+        if self.snapshot_every is not None:
+            import torch.distributed as dist
+
+            me = dist.get_rank()
+            peers = ring_peers(layout_of(world.mesh), me)  # None alike on every rank: one shard position
+            # the ring's own group (gloo: snapshots live in CPU memory), created by every rank in order
+            ring = dist.new_group(backend="gloo", timeout=self.timeout) if peers is not None else None
+            self.snapshots.open(ring, me, peers, world.generation, self.timeout)
         return src, value
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "walks_alike",
     "PIECE",
     "REPLICATE",
     "Layout",
@@ -69,6 +70,15 @@ def _fields(state: Any, which: Which) -> list[str]:
     cls = type(state)
     chosen = synced_fields(cls) if which == "sync" else saved_fields(cls)
     return [a.name for a in chosen]
+
+
+def walks_alike(state: Any) -> bool:
+    """Whether `sharded_state_dict` gives the same dict for "sync" and "save" (every field of `state` and
+    of its nested states is both synced and saved), so that one walk serves both."""
+    names = _fields(state, "sync")
+    if names != _fields(state, "save"):
+        return False
+    return all(kind_of(getattr(state, n)) != Kind.STATE or walks_alike(getattr(state, n)) for n in names)
 
 
 def _module_dtensor(module: torch.nn.Module) -> Any:
