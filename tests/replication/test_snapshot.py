@@ -315,3 +315,48 @@ def test_ring_peers_go_to_the_next_shard_position_outside_the_replica_set() -> N
     assert [ring_peers(hsdp, r) for r in range(4)] == [(1, 1), (0, 0), (3, 3), (2, 2)]
     replicas_only = Layout((2, 1), ("replicate", "shard"), {0: (0,), 1: (0,)})
     assert ring_peers(replicas_only, 0) is None
+
+
+def test_a_failed_copy_or_a_torn_state_withholds_the_commit_and_the_ring_goes_on(
+    world: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    snaps, _ = world
+    take(snaps, 5)
+
+    def broken(state: Any, tenure: Any, layout: int, rank: int) -> tuple[Held, torch.Tensor]:
+        if rank == 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return fake_pack(state, tenure, layout, rank)
+
+    monkeypatch.setattr(snapshot, "pack", broken)
+    with caplog.at_level("WARNING", logger="elastic"):
+        take(snaps, 10)
+    assert "copying this rank's pieces failed (RuntimeError: CUDA error: out of memory)" in caplog.text
+    assert all((5, "own") in kinds(s) for s in snaps)  # round 10 committed nowhere
+    assert (10, "copy of rank 1") not in kinds(snaps[2])  # rank 1 sent nothing to copy
+    monkeypatch.setattr(snapshot, "pack", fake_pack)
+    for s in snaps:  # rank 0's state is torn: it sends nothing and withholds the commit
+        s.take(None, None if s is snaps[0] else 15)
+    for s in snaps:
+        assert s._thread is not None
+        s._thread.join(10)
+    assert all((5, "own") in kinds(s) for s in snaps) and (15, "own") not in kinds(snaps[0])
+    take(snaps, 20)  # the messages still pair up: the next round commits everywhere
+    for r, s in enumerate(snaps):
+        assert kinds(s) == [(20, f"copy of rank {(r - 1) % 3}"), (20, "own")]
+
+
+def test_close_waiting_for_a_round_that_outlives_its_timeout_warns(
+    world: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    snaps, groups = world
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="elastic-snapshot", daemon=True)
+    stuck.start()
+    snaps[0]._flight = snapshot._Round(stuck, time.monotonic(), 0.2)
+    snaps[0]._ring_round = 4
+    with caplog.at_level("WARNING", logger="elastic"):
+        snaps[0].close(wait=True)
+    release.set()
+    assert "round 4 did not end within its timeout of 0:00:05" in caplog.text
+    assert groups[0].aborted.is_set()

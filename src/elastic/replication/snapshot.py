@@ -14,8 +14,13 @@ the device-to-host copy is done, a peer's copy once all of its bytes have arrive
 that is when every rank holds its copy; a fault while a round is in flight leaves the previous round
 (complete everywhere) to fall back on. So at most two rounds are kept, each of them this rank's own pieces
 and one peer's copy: at rest about twice this rank's share of the state's tensors in CPU memory, four
-times while a round is in flight. A round still in flight at the next snapshot is waited for (sending one
-took longer than k steps: raise k). A round that fails is not committed (a warning); training goes on.
+times while a round is in flight (a third, rarely: a newer round held in full whose commit this rank did
+not see, since a peer may have). Every rank takes every round, so that the ring's messages (tagged by the
+round's number in the generation) and all-reduces pair up: a failed copy or a torn state sends an empty
+buffer and withholds the commit. A round has one deadline, one `timeout` from its start; a round still in
+flight at the next snapshot is waited for until then (sending one took longer than k steps: raise k). A
+round that fails is not committed (a warning); training goes on. A round abandoned with its generation
+installs nothing more, and its group is aborted.
 
 The ring survives the loss of workers no two of which are neighbours on it (one at a time, always): the
 lost rank's pieces are the copy its successor holds.
