@@ -1,0 +1,20 @@
+"""`elastic.recovery.builder` helpers that need no processes (the builder `run` spawns in
+`tests/recovery/test_run_sharded.py` and `tests/recovery/test_run_snapshots.py`)."""
+
+from __future__ import annotations
+
+from elastic.recovery.builder import snapshot_every_mismatch
+
+
+def test_snapshot_every_alike_on_every_rank_is_fine() -> None:
+    assert snapshot_every_mismatch([10, 10, 10]) is None
+    assert snapshot_every_mismatch([None, None]) is None
+
+
+def test_snapshot_every_differing_between_ranks_names_the_ranks_and_their_values() -> None:
+    msg = snapshot_every_mismatch([10, 5, 10, None])
+    assert msg == (
+        "elastic.run: the workers were given different snapshot_every (ranks [0, 2]: snapshot_every=10; "
+        "ranks [1]: snapshot_every=5; ranks [3]: snapshot_every=None); pass the same snapshot_every to "
+        "elastic.run on every worker"
+    )
