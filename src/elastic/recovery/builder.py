@@ -132,7 +132,9 @@ class Built:
     def snapshot(self) -> None:
         """Every `snapshot_every`-th ``world.check()``: a snapshot of the state (`Snapshots.take`)."""
         if self.state is not None:
-            self.snapshots.take(self.state, tenure(self.state))
+            _reshard_fsdp(self.state)  # an FSDP2 module left unsharded (reshard_after_forward=False) holds
+            # whole parameters: its shards are what the snapshot copies
+            self.snapshots.take(self.state, tenure(self.state))  # torn: None, the round withheld
 
     def start(self, world: Any) -> tuple[int, Any]:
         """The generation's mesh, the new state and its filling. (source rank, tenure)"""
