@@ -409,7 +409,9 @@ def _join(flight: _Round) -> None:
 
 
 def _abort(group: Any) -> None:
-    """Abort an abandoned round's group: its pending operations fail and its sockets close."""
+    """Abort an abandoned round's group, so that its pending operations fail where the backend can (gloo's
+    abort in torch 2.13 does not unblock a pending receive: the round's deadline ends its thread, within
+    one timeout, and the group's sockets close with its last reference)."""
     try:
         group.abort()
     except Exception as exc:  # the group may be gone already (the generation's end destroys it)
