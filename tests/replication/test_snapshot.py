@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,45 +30,75 @@ TIMEOUT = timedelta(seconds=5)
 
 
 class _Work:
-    def __init__(self, fn: Callable[[], None] = lambda: None) -> None:
-        self._fn = fn
+    """A pending operation: it completes in the background; `wait(timeout)` raises when it has not by
+    then (like gloo's), leaving it pending."""
 
-    def wait(self, timeout: Any = None) -> bool:
-        self._fn()
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                self.error = exc
+            self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def wait(self, timeout: timedelta) -> bool:
+        if not self.done.wait(timeout.total_seconds()):
+            raise RuntimeError(f"Timed out waiting {timeout} for a fake operation")
+        if self.error is not None:
+            raise self.error
         return True
 
 
 class Wire:
-    """What the fake groups of one "world" share: a queue per (src, dst, tag), an all-reduce barrier."""
+    """What the fake groups of one "world" share: a queue per (src, dst, tag), the all-reduces by their
+    sequence number on each rank (like gloo's: the k-th of every rank reduce together)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.queues: dict[tuple[int, int, int], queue.Queue[torch.Tensor]] = defaultdict(queue.Queue)
-        self.lock = threading.Lock()
-        self.barrier = threading.Barrier(size, timeout=TIMEOUT.total_seconds())
-        self.values: dict[int, int] = {}
+        self.cond = threading.Condition()
+        self.values: dict[int, dict[int, int]] = defaultdict(dict)
 
 
 class FakeGroup:
-    """`send`/`recv`/`allreduce` (MIN) like a torch ProcessGroup's; `fail_recv(tag)` makes a receive of
-    that tag fail after half its bytes have landed (a fault mid-transfer); `hold_recv` blocks receives
-    until released."""
+    """`send`/`recv`/`allreduce` (MIN) like a torch ProcessGroup's; `fail_buffers` makes a receive of a
+    snapshot buffer fail after half its bytes have landed (a fault mid-transfer); `hold` (cleared) keeps
+    receives pending until set; `abort()` fails every pending receive."""
 
     def __init__(self, wire: Wire, rank: int) -> None:
         self.wire, self.rank = wire, rank
-        self.fail_tag: int | None = None
+        self.fail_buffers = False
         self.hold = threading.Event()
         self.hold.set()
+        self.aborted = threading.Event()
+        self.reduces = 0
+        self.tags: list[int] = []
+
+    def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            if self.aborted.is_set():
+                raise RuntimeError("the group was aborted")
+            time.sleep(0.005)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
         self.wire.queues[(self.rank, dst, tag)].put(tensors[0].clone())
-        return _Work()
+        return _Work(lambda: None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        self.tags.append(tag)
+        fail = self.fail_buffers and tag % 2 == 1
+
         def run() -> None:
-            assert self.hold.wait(TIMEOUT.total_seconds())
-            data = self.wire.queues[(src, self.rank, tag)].get(timeout=TIMEOUT.total_seconds())
-            if tag == self.fail_tag:
+            self._until(self.hold.is_set)
+            q = self.wire.queues[(src, self.rank, tag)]
+            self._until(lambda: not q.empty())
+            data = q.get()
+            if fail:
                 half = data.numel() // 2
                 tensors[0][:half].copy_(data[:half])
                 raise RuntimeError("Connection closed by peer")
@@ -76,14 +107,19 @@ class FakeGroup:
         return _Work(run)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        self.reduces += 1
+        seq, wire = self.reduces, self.wire
+        with wire.cond:
+            wire.values[seq][self.rank] = int(tensors[0].item())
+
         def run() -> None:
-            with self.wire.lock:
-                self.wire.values[self.rank] = int(tensors[0].item())
-            self.wire.barrier.wait()
-            tensors[0].fill_(min(self.wire.values.values()))
-            self.wire.barrier.wait()
+            self._until(lambda: len(wire.values[seq]) == wire.size)
+            tensors[0].fill_(min(wire.values[seq].values()))
 
         return _Work(run)
+
+    def abort(self) -> None:
+        self.aborted.set()
 
 
 ROWS = [Region(("w",), (9, 2), "torch.float32", (3 * r, 0), (3, 2)) for r in range(3)]
@@ -95,15 +131,21 @@ def fake_pack(state: Any, tenure: Any, layout: int, rank: int) -> tuple[Held, to
     return snapshot.pack_pieces([ROWS[rank]], [local], {"step": tenure}, tenure, layout, rank)
 
 
-@pytest.fixture
-def world(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Snapshots], list[FakeGroup]]:
+def make_world(
+    monkeypatch: pytest.MonkeyPatch, timeout: timedelta = TIMEOUT
+) -> tuple[list[Snapshots], list[FakeGroup]]:
     monkeypatch.setattr(snapshot, "pack", fake_pack)
     wire = Wire(3)
     groups = [FakeGroup(wire, r) for r in range(3)]
     snaps = [Snapshots() for _ in range(3)]
     for r in range(3):
-        snaps[r].open(groups[r], r, ((r + 1) % 3, (r - 1) % 3), 0, TIMEOUT)
+        snaps[r].open(groups[r], r, ((r + 1) % 3, (r - 1) % 3), 0, timeout)
     return snaps, groups
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Snapshots], list[FakeGroup]]:
+    return make_world(monkeypatch)
 
 
 def take(snaps: list[Snapshots], tenure: int) -> None:
@@ -136,7 +178,7 @@ def test_rounds_commit_and_keep_one_snapshot_each_own_and_copy(world: Any) -> No
 def test_a_copy_cut_off_mid_transfer_never_counts_and_the_previous_round_stays(world: Any) -> None:
     snaps, groups = world
     take(snaps, 5)
-    groups[1].fail_tag = 1  # rank 1's receive of rank 0's pieces breaks halfway
+    groups[1].fail_buffers = True  # rank 1's receive of rank 0's pieces breaks halfway
     take(snaps, 10)
     # rank 1 holds its own pieces of 10 but no copy of 10; nobody committed round 10, so round 5 stays
     assert kinds(snaps[1]) == [(5, "copy of rank 0"), (5, "own"), (10, "own")]
@@ -147,7 +189,7 @@ def test_a_copy_cut_off_mid_transfer_never_counts_and_the_previous_round_stays(w
     assert tenure == 5
     assert all(offers[r][i].tenure == 5 for r, i in holders)
     # the next round commits and drops everything older, the half-made round included
-    groups[1].fail_tag = None
+    groups[1].fail_buffers = False
     take(snaps, 15)
     assert all(sorted(t for t, _ in kinds(s)) == [15, 15] for s in snaps)
 
@@ -168,6 +210,41 @@ def test_a_round_abandoned_by_the_end_of_its_generation_installs_nothing_more(wo
         t.join(10)
     assert kinds(snaps[2]) == [(5, "copy of rank 1"), (5, "own"), (10, "own")]  # its copy came too late
     assert (5, "own") in kinds(snaps[0])  # and so nobody committed round 10
+    assert groups[2].aborted.is_set() and not groups[0].aborted.is_set()  # its sockets close
+    abandoned = snaps[2]._abandoned
+    assert abandoned is not None and not abandoned.thread.is_alive()
+    snaps[2].open(groups[2], 2, (0, 1), 1, TIMEOUT)  # the next generation joins it and lets go
+    assert snaps[2]._abandoned is None and snaps[2]._thread is None
+
+
+def test_a_receive_past_the_round_deadline_fails_that_round_everywhere_and_the_next_pairs_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    snaps, groups = make_world(monkeypatch, timedelta(seconds=0.3))
+    take(snaps, 5)
+    groups[2].hold.clear()  # rank 2's receives of round 10 outlast the round's deadline, left pending
+    take(snaps, 10)
+    for s in snaps:  # nobody committed round 10, and nobody stopped taking rounds
+        assert (5, "own") in kinds(s) and (10, "own") in kinds(s)
+    groups[2].hold.set()  # the pending receives of round 10 now complete: they must not feed round 15
+    take(snaps, 15)
+    for r, s in enumerate(snaps):
+        assert kinds(s) == [(15, f"copy of rank {(r - 1) % 3}"), (15, "own")]
+    copy = next(h for h in snaps[2].held() if h.snapshot != "own")
+    assert torch.equal(copy.tensors[0], torch.full((3, 2), 151.0))
+    assert len(set(groups[2].tags)) == len(groups[2].tags)  # every message of every round its own tag
+
+
+def test_a_copy_of_another_tenure_is_never_installed(world: Any) -> None:
+    snaps, _ = world
+    snaps[0].take(None, 10)  # rank 0 copies another step than its peers
+    for s in snaps[1:]:
+        s.take(None, 15)
+    for s in snaps:
+        assert s._thread is not None
+        s._thread.join(10)
+    assert kinds(snaps[1]) == [(15, "own")]  # rank 0's pieces of 10 are not rank 1's copy of round 15
+    assert kinds(snaps[0]) == [(10, "own")]
 
 
 def test_a_new_round_keeps_only_the_newest_committed_one() -> None:
@@ -178,6 +255,21 @@ def test_a_new_round_keeps_only_the_newest_committed_one() -> None:
     assert [e.round for e in s._keep_newest()] == [1]
     s._entries = [snapshot._Entry(half, 2)]
     assert [e.round for e in s._keep_newest()] == [2]
+    # round 2 whole here (own and copy) but its commit unseen: a peer may have seen it commit; round 3
+    # (own only) goes
+    copy = unpack(fake_pack(None, 10, 0, 2)[1])
+    newer, _ = fake_pack(None, 15, 0, 0)
+    s._entries = [
+        snapshot._Entry(old, 1, committed=True),
+        snapshot._Entry(half, 2),
+        snapshot._Entry(copy, 2),
+        snapshot._Entry(newer, 3),
+    ]
+    assert [(e.round, e.held.snapshot) for e in s._keep_newest()] == [
+        (1, "own"),
+        (2, "own"),
+        (2, "copy of rank 2"),
+    ]
 
 
 def test_settle_drops_a_timeline_given_up_and_keeps_the_snapshot_used() -> None:
@@ -223,3 +315,48 @@ def test_ring_peers_go_to_the_next_shard_position_outside_the_replica_set() -> N
     assert [ring_peers(hsdp, r) for r in range(4)] == [(1, 1), (0, 0), (3, 3), (2, 2)]
     replicas_only = Layout((2, 1), ("replicate", "shard"), {0: (0,), 1: (0,)})
     assert ring_peers(replicas_only, 0) is None
+
+
+def test_a_failed_copy_or_a_torn_state_withholds_the_commit_and_the_ring_goes_on(
+    world: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    snaps, _ = world
+    take(snaps, 5)
+
+    def broken(state: Any, tenure: Any, layout: int, rank: int) -> tuple[Held, torch.Tensor]:
+        if rank == 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return fake_pack(state, tenure, layout, rank)
+
+    monkeypatch.setattr(snapshot, "pack", broken)
+    with caplog.at_level("WARNING", logger="elastic"):
+        take(snaps, 10)
+    assert "copying this rank's pieces failed (RuntimeError: CUDA error: out of memory)" in caplog.text
+    assert all((5, "own") in kinds(s) for s in snaps)  # round 10 committed nowhere
+    assert (10, "copy of rank 1") not in kinds(snaps[2])  # rank 1 sent nothing to copy
+    monkeypatch.setattr(snapshot, "pack", fake_pack)
+    for s in snaps:  # rank 0's state is torn: it sends nothing and withholds the commit
+        s.take(None, None if s is snaps[0] else 15)
+    for s in snaps:
+        assert s._thread is not None
+        s._thread.join(10)
+    assert all((5, "own") in kinds(s) for s in snaps) and (15, "own") not in kinds(snaps[0])
+    take(snaps, 20)  # the messages still pair up: the next round commits everywhere
+    for r, s in enumerate(snaps):
+        assert kinds(s) == [(20, f"copy of rank {(r - 1) % 3}"), (20, "own")]
+
+
+def test_close_waiting_for_a_round_that_outlives_its_timeout_warns(
+    world: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    snaps, groups = world
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="elastic-snapshot", daemon=True)
+    stuck.start()
+    snaps[0]._flight = snapshot._Round(stuck, time.monotonic(), 0.2)
+    snaps[0]._ring_round = 4
+    with caplog.at_level("WARNING", logger="elastic"):
+        snaps[0].close(wait=True)
+    release.set()
+    assert "round 4 did not end within its timeout of 0:00:05" in caplog.text
+    assert groups[0].aborted.is_set()

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import torch
 
-from elastic._util.errors import SyncError
+from elastic._util.errors import ElasticError, SyncError
 from elastic.checkpoint.saveload import load
 from elastic.replication.collective import Collective
 from elastic.replication.reshard import Held, hold, reshard
@@ -132,7 +132,9 @@ class Built:
     def snapshot(self) -> None:
         """Every `snapshot_every`-th ``world.check()``: a snapshot of the state (`Snapshots.take`)."""
         if self.state is not None:
-            self.snapshots.take(self.state, tenure(self.state))
+            _reshard_fsdp(self.state)  # an FSDP2 module left unsharded (reshard_after_forward=False) holds
+            # whole parameters: its shards are what the snapshot copies
+            self.snapshots.take(self.state, tenure(self.state))  # torn: None, the round withheld
 
     def start(self, world: Any) -> tuple[int, Any]:
         """The generation's mesh, the new state and its filling. (source rank, tenure)"""
@@ -157,7 +159,11 @@ class Built:
             raise TypeError(msg)
         group = Collective.of(None, self.timeout, "run")
         offers = [h for h in [self.held, *self.snapshots.held()] if h is not None and h.tenure is not None]
-        holds = group.gather(bool(offers), "run-held")
+        records = group.gather((bool(offers), self.snapshot_every), "run-held")
+        mismatch = snapshot_every_mismatch([every for _, every in records])
+        if mismatch is not None:
+            raise ElasticError(mismatch)
+        holds = [held for held, _ in records]
         src, value = 0, None
         filled = from_snapshot = False
         if any(holds):
@@ -193,6 +199,21 @@ class Built:
             ring = dist.new_group(backend="gloo", timeout=self.timeout) if peers is not None else None
             self.snapshots.open(ring, me, peers, world.generation, self.timeout)
         return src, value
+
+
+def snapshot_every_mismatch(values: list[int | None]) -> str | None:
+    """What is wrong when the ranks of a generation were given different ``snapshot_every`` (each rank's
+    value, in rank order), else None: the snapshot ring needs every rank, and every rank alike."""
+    if len(set(values)) < 2:
+        return None
+    by_value: dict[int | None, list[int]] = {}
+    for rank, every in enumerate(values):
+        by_value.setdefault(every, []).append(rank)
+    seen = "; ".join(f"ranks {ranks}: snapshot_every={every!r}" for every, ranks in by_value.items())
+    return (
+        f"elastic.run: the workers were given different snapshot_every ({seen}); pass the same "
+        "snapshot_every to elastic.run on every worker"
+    )
 
 
 def dist_backend() -> str:

@@ -14,8 +14,13 @@ the device-to-host copy is done, a peer's copy once all of its bytes have arrive
 that is when every rank holds its copy; a fault while a round is in flight leaves the previous round
 (complete everywhere) to fall back on. So at most two rounds are kept, each of them this rank's own pieces
 and one peer's copy: at rest about twice this rank's share of the state's tensors in CPU memory, four
-times while a round is in flight. A round still in flight at the next snapshot is waited for (sending one
-took longer than k steps: raise k). A round that fails is not committed (a warning); training goes on.
+times while a round is in flight (a third, rarely: a newer round held in full whose commit this rank did
+not see, since a peer may have). Every rank takes every round, so that the ring's messages (tagged by the
+round's number in the generation) and all-reduces pair up: a failed copy or a torn state sends an empty
+buffer and withholds the commit. A round has one deadline, one `timeout` from its start; a round still in
+flight at the next snapshot is waited for until then (sending one took longer than k steps: raise k). A
+round that fails is not committed (a warning); training goes on. A round abandoned with its generation
+installs nothing more, and its group is aborted.
 
 The ring survives the loss of workers no two of which are neighbours on it (one at a time, always): the
 lost rank's pieces are the copy its successor holds.
@@ -27,6 +32,7 @@ import logging
 import math
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -160,7 +166,7 @@ class _Entry:
 @attrs.frozen
 class _Ring:
     """One generation's ring: its gloo group (``send``/``recv``/``allreduce`` of a torch ProcessGroup),
-    this rank, its peers, the layout its pieces belong to, and the bound of every operation."""
+    this rank, its peers, the layout its pieces belong to, and the bound of a whole round."""
 
     group: Any
     rank: int
@@ -170,6 +176,20 @@ class _Ring:
     timeout: timedelta
 
 
+@attrs.define
+class _Round:
+    """A round in flight: its thread, the time (``time.monotonic()``) by which it ends, its ring's
+    timeout."""
+
+    thread: threading.Thread
+    deadline: float
+    timeout: float
+
+
+#: What a join past a round's deadline adds (its thread's last wait returns at the deadline).
+_GRACE = 1.0
+
+
 class Snapshots:
     """This rank's snapshots across generations (see the module docstring)."""
 
@@ -177,8 +197,15 @@ class Snapshots:
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
         self._ring: _Ring | None = None
-        self._thread: threading.Thread | None = None
-        self._round = 0
+        self._flight: _Round | None = None
+        #: a round abandoned with its generation (its group aborted), joined briefly by the next `open`
+        self._abandoned: _Round | None = None
+        self._round = 0  # across generations: which entries are newer
+        self._ring_round = 0  # within the ring's generation: alike on every rank (the messages' tags)
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return None if self._flight is None else self._flight.thread
 
     # -- a generation's ring
 
@@ -187,6 +214,15 @@ class Snapshots:
     ) -> None:
         """Snapshot on `group` from now on (None peers: nothing to send; snapshots are skipped)."""
         self.close(wait=False)
+        gone = self._abandoned
+        if gone is not None:
+            gone.thread.join(min(timeout.total_seconds(), _GRACE))
+            if gone.thread.is_alive():
+                log.warning(
+                    "snapshots: the thread of an abandoned round is still running (its group aborted)"
+                )
+            self._abandoned = None
+        self._ring_round = 0
         if peers is None:
             log.info("snapshots: the mesh has one shard position (every rank holds whole pieces); none taken")
             return
@@ -194,72 +230,125 @@ class Snapshots:
 
     def close(self, *, wait: bool) -> None:
         """The generation ends: with `wait`, let the round in flight finish (every rank is alive and ends
-        alike); else abandon it (what it has not installed yet is never installed)."""
-        thread, ring = self._thread, self._ring
-        if wait and thread is not None and ring is not None:
-            thread.join(3 * ring.timeout.total_seconds())
+        alike; at most its deadline, one `timeout` from its start); else abandon it: what it has not
+        installed yet is never installed, and its group is aborted so that its sockets close."""
+        flight, ring = self._flight, self._ring
+        if flight is not None and ring is not None:
+            if wait:
+                _join(flight)
+                if flight.thread.is_alive():
+                    log.warning(
+                        "snapshots: round %d did not end within its timeout of %s; abandoning it",
+                        self._ring_round,
+                        ring.timeout,
+                    )
+            if flight.thread.is_alive():
+                _abort(ring.group)
+                self._abandoned = flight
         with self._lock:
             self._ring = None
-            self._thread = None
+            self._flight = None
 
     # -- rounds
 
     def take(self, state: Any, tenure: Any) -> None:
-        """A new round: wait for the previous one, copy this rank's pieces to the CPU, and send them to
-        the ring's next position in the background."""
+        """A new round: wait for the previous one (at most until its deadline), copy this rank's pieces to
+        the CPU, and send them to the ring's next position in the background. Every rank takes every
+        round: a failure (of the copy, or a state torn: `tenure` None) sends an empty buffer and withholds
+        the commit, so that the ring's messages and all-reduces still pair up."""
         ring = self._ring
         if ring is None:
             return
-        if self._thread is not None:
-            self._thread.join(3 * ring.timeout.total_seconds())
-            if self._thread.is_alive():
-                log.warning(
-                    "snapshots: the previous round is still in flight; no more snapshots this generation"
-                )
-                self.close(wait=False)
-                return
+        previous = self._flight
+        if previous is not None:
+            _join(previous)  # a round still running (past its deadline) is chained on, not skipped
         self._round += 1
+        self._ring_round += 1
         with self._lock:
             self._entries = self._keep_newest()
-        own, buf = pack(state, tenure, ring.layout, ring.rank)
-        with self._lock:
-            self._entries.append(_Entry(own, self._round))
-        self._thread = threading.Thread(
-            target=self._exchange, args=(ring, self._round, buf), name="elastic-snapshot", daemon=True
+        ok, buf = tenure is not None, torch.empty(0, dtype=torch.uint8)
+        if ok:
+            try:
+                own, buf = pack(state, tenure, ring.layout, ring.rank)
+            except Exception as exc:
+                log.warning(
+                    "snapshots: copying this rank's pieces failed (%s: %s); round %d will not commit",
+                    type(exc).__name__,
+                    exc,
+                    self._ring_round,
+                )
+                ok = False
+            else:
+                with self._lock:
+                    self._entries.append(_Entry(own, self._round))
+        deadline = time.monotonic() + ring.timeout.total_seconds()
+        thread = threading.Thread(
+            target=self._exchange,
+            args=(ring, self._round, self._ring_round, buf, ok, tenure, deadline, previous),
+            name="elastic-snapshot",
+            daemon=True,
         )
-        self._thread.start()
+        self._flight = _Round(thread, deadline, ring.timeout.total_seconds())
+        thread.start()
 
     def _keep_newest(self) -> list[_Entry]:
-        """The entries of the newest committed round (else of the newest round): what a new round keeps."""
-        rounds = {e.round for e in self._entries if e.committed} or {e.round for e in self._entries}
-        keep = max(rounds, default=None)
-        return [e for e in self._entries if e.round == keep]
+        """What a new round keeps: the newest committed round (else nothing older than the newest round)
+        and every newer round this rank holds in full (its own pieces and a copy: a peer may have seen it
+        commit when this rank did not)."""
+        committed = max((e.round for e in self._entries if e.committed), default=None)
+        if committed is None:
+            newest = max((e.round for e in self._entries), default=None)
+            return [e for e in self._entries if e.round == newest]
+        full = _full_rounds(self._entries)
+        return [e for e in self._entries if e.round == committed or (e.round > committed and e.round in full)]
 
-    def _exchange(self, ring: _Ring, number: int, buf: torch.Tensor) -> None:
+    def _exchange(
+        self,
+        ring: _Ring,
+        number: int,
+        ring_round: int,
+        buf: torch.Tensor,
+        ok: bool,
+        tenure: Any,
+        deadline: float,
+        previous: _Round | None,
+    ) -> None:
+        if previous is not None:  # the ring's operations stay in order on every rank
+            previous.thread.join()
         group, failure = ring.group, None
         installed = False
+        tags = 2 * ring_round, 2 * ring_round + 1  # a late message of an earlier round never pairs here
         try:
             size = torch.tensor([buf.numel()], dtype=torch.int64)
             theirs = torch.empty(1, dtype=torch.int64)
-            _both(
-                group.send([size], ring.following, 0), group.recv([theirs], ring.preceding, 0), ring.timeout
-            )
+            sent = group.send([size], ring.following, tags[0])
+            _wait(group.recv([theirs], ring.preceding, tags[0]), deadline)
             incoming = torch.empty(int(theirs.item()), dtype=torch.uint8)
-            _both(
-                group.send([buf], ring.following, 1), group.recv([incoming], ring.preceding, 1), ring.timeout
-            )
+            sent_buf = group.send([buf], ring.following, tags[1])
+            _wait(group.recv([incoming], ring.preceding, tags[1]), deadline)
+            _wait(sent, deadline)
+            _wait(sent_buf, deadline)
+            if incoming.numel() == 0:
+                msg = f"rank {ring.preceding} sent no snapshot (its copy failed or its state is torn)"
+                raise RuntimeError(msg)
             copy = unpack(incoming)
+            if copy.layout != ring.layout or order_key(copy.tenure) != order_key(tenure):
+                msg = (
+                    f"rank {ring.preceding} sent a snapshot of tenure {copy.tenure!r} on layout "
+                    f"{copy.layout}; this round is of tenure {tenure!r} on layout {ring.layout}"
+                )
+                raise RuntimeError(msg)
             with self._lock:
-                if self._ring is ring:  # not abandoned: the copy counts from now on
+                if ok and self._ring is ring:  # not abandoned: the copy counts from now on
                     self._entries.append(_Entry(copy, number))
                     installed = True
         except Exception as exc:
             failure = exc
-        try:  # commit: every rank installed its copy (a rank that did not says 0)
+        try:  # commit, collectively: every rank installed its copy (a rank that did not says 0)
             flag = torch.tensor([1 if installed else 0], dtype=torch.int32)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-            group.allreduce([flag], opts).wait(ring.timeout)
+            _wait(group.allreduce([flag], opts), deadline)
             committed = bool(flag.item())
         except Exception as exc:
             failure = failure or exc
@@ -269,13 +358,13 @@ class Snapshots:
                 for e in self._entries:
                     e.committed = e.round == number
                 self._entries = [e for e in self._entries if e.round == number]
-                log.debug("snapshots: round %d committed (%d bytes sent)", number, buf.numel())
+                log.debug("snapshots: round %d committed", ring_round)
         if failure is not None and self._ring is ring:
             log.warning(
-                "snapshots: round %d was not committed (%s: %s)", number, type(failure).__name__, failure
+                "snapshots: round %d was not committed (%s: %s)", ring_round, type(failure).__name__, failure
             )
         elif not committed and self._ring is ring:
-            log.warning("snapshots: round %d was not committed (a rank lacks its copy)", number)
+            log.warning("snapshots: round %d was not committed (a rank lacks its copy)", ring_round)
 
     # -- what the next generation reads
 
@@ -303,6 +392,27 @@ class Snapshots:
             return sum(t.numel() * t.element_size() for e in self._entries for t in e.held.tensors)
 
 
-def _both(send: Any, recv: Any, timeout: timedelta) -> None:
-    send.wait(timeout)
-    recv.wait(timeout)
+def _full_rounds(entries: Sequence[_Entry]) -> set[int]:
+    """The rounds of `entries` held in full: this rank's own pieces and a peer's copy."""
+    own = {e.round for e in entries if e.held.snapshot == "own"}
+    return {e.round for e in entries if e.held.snapshot != "own" and e.round in own}
+
+
+def _wait(work: Any, deadline: float) -> None:
+    """`work` done by `deadline` (a gloo wait that times out raises; the operation stays pending)."""
+    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def _join(flight: _Round) -> None:
+    """Wait for a round's thread until just past its deadline, at most one timeout (heartbeats go on)."""
+    flight.thread.join(min(max(flight.deadline - time.monotonic(), 0.0) + _GRACE, flight.timeout))
+
+
+def _abort(group: Any) -> None:
+    """Abort an abandoned round's group, so that its pending operations fail where the backend can (gloo's
+    abort in torch 2.13 does not unblock a pending receive: the round's deadline ends its thread, within
+    one timeout, and the group's sockets close with its last reference)."""
+    try:
+        group.abort()
+    except Exception as exc:  # the group may be gone already (the generation's end destroys it)
+        log.debug("snapshots: aborting the ring's group: %s", exc)
