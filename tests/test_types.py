@@ -2,7 +2,8 @@
 
 mypy (and pyright, where it is installed) checks one small user file written to a temporary directory;
 every line that must be reported ends with ``# error: <words the message holds>``, every other line must
-pass. The checkers run once per module (a cold mypy run over torch's stubs takes a while).
+pass. The checkers run once per module (a cold mypy run over torch's stubs takes a while; mypy shares the
+project's settings and cache).
 """
 
 from __future__ import annotations
@@ -109,15 +110,18 @@ def user_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mypy_output(user_file: Path) -> dict[int, list[str]]:
     """mypy's messages on the user file, by line: errors as "error: ...", reveal_type as "note: ...".
 
-    mypy runs in its own process: in this one, the millions of objects it keeps (torch's stubs, parsed)
-    would slow every later garbage collection, and the last one at exit by a minute."""
-    folder = user_file.parent
-    config = folder / "mypy.ini"
-    config.write_text(f"[mypy]\nmypy_path = {ROOT / 'src'}\npython_version = 3.10\n")
-    cache = ROOT / ".mypy_cache" / "test_types"  # warm across runs; the user file itself is new each time
-    args = [str(user_file), "--config-file", str(config), "--cache-dir", str(cache)]
+    The project's own settings (pyproject.toml) and cache: where `mypy` has just checked the package, as
+    CI does before the tests, torch's stubs are not analysed again. mypy runs in its own process: in this
+    one, the millions of objects it keeps would slow every later garbage collection, and the one at exit
+    by a minute."""
+    args = [str(user_file), "--config-file", str(ROOT / "pyproject.toml")]
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", *args], capture_output=True, text=True, timeout=540, check=False
+        [sys.executable, "-m", "mypy", *args],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+        cwd=ROOT,  # the settings' paths (mypy_path, the cache) are relative to it
     )
     assert done.returncode in (0, 1) and not done.stderr, done.stdout + done.stderr  # 1: errors reported
     by_line: dict[int, list[str]] = {}
