@@ -518,6 +518,37 @@ def test_generations_failing_at_one_tenure_end_with_their_history() -> None:
     assert _run._Stalls(1).failed(0, float("nan"), float("nan"), "y") is None
 
 
+def test_strip_frees_what_a_closure_in_the_traceback_holds_and_keeps_its_text() -> None:
+    import gc
+    import weakref
+
+    class Module:  # stands for a module with hooks: torch calls its forward inside a closure over it
+        pass
+
+    def call(module: Module) -> None:
+        def inner() -> None:
+            assert module is not None
+            raise RuntimeError("Connection closed by peer")
+
+        inner()
+
+    held = Module()
+    alive = weakref.ref(held)
+    try:
+        call(held)
+    except RuntimeError as exc:
+        caught = exc
+    del held
+    gc.collect()
+    assert alive() is not None  # the traceback's frames hold it
+    _run._strip(caught)
+    assert alive() is None  # without a collection: its sockets would close at the group's destroy
+    if sys.version_info >= (3, 11):
+        (note,) = caught.__notes__
+        assert note.startswith(_run.RAISED_AT) and "in inner" in note
+        assert 'raise RuntimeError("Connection closed by peer")' in note
+
+
 def test_grads_are_cleared_in_modules_optimizers_and_nested_states() -> None:
     model = torch.nn.Linear(3, 2)
     other = torch.nn.Linear(2, 2)

@@ -101,6 +101,24 @@ def _reshard_fsdp(state: Any) -> None:
                     m.reshard()
 
 
+def _forget_meshes() -> None:
+    """Empty torch's DTensor caches whose keys compare meshes by value (ranks, shape, names).
+
+    A generation's mesh equals the last one when the shape stays, but a rank may sit elsewhere in it (a
+    spare admitted at rank 0 moves every survivor up). The cached sharding propagations would give the new
+    state's DTensors (``detach``, ``zeros_like``: its state dict, Adam's moments) the old ``DeviceMesh``,
+    with the old rank's coordinate: wrong pieces planned, saved and redistributed. Local, a few ms."""
+    try:
+        from torch.distributed.tensor import _collective_utils, _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
 @attrs.define
 class Built:
     """The state of a builder `run` across generations, and the pieces held while a new one is filled."""
@@ -128,6 +146,7 @@ class Built:
             _reshard_fsdp(old)
             self.held = hold(old, tenure(old), self.layout)
         self.state = old = None
+        _forget_meshes()  # torch's DTensor caches hold the mesh, and it the groups
 
     def snapshot(self) -> None:
         """Every `snapshot_every`-th ``world.check()``: a snapshot of the state (`Snapshots.take`)."""
@@ -145,10 +164,12 @@ class Built:
             msg = f"elastic.run: generation of {world.size} workers but mesh({world.size}) = {shape}"
             raise ValueError(msg)
         device = "cuda" if dist_backend() == "nccl" else "cpu"
+        _forget_meshes()
         world.mesh = init_device_mesh(device, shape, mesh_dim_names=self.plan.dim_names(shape))
         for dim in range(len(shape)):  # the mesh's groups get torch's default (30 min), not run's timeout
             world.mesh.get_group(dim).set_timeout(self.timeout)
-        self.release()  # (done already when the last generation ended) the old state is freed first
+        if self.state is not None:  # (released when the last generation ended) the old state goes first
+            self.release()
         new = self.build(world)
         config_of(new, "elastic.run(fn, build): build(world)")
         if not is_elastic_state(new) or not is_sharded(new):

@@ -593,11 +593,27 @@ def _announce(rendezvous: Any) -> None:
             announce()
 
 
+#: The note that keeps a traceback's text once `_strip` dropped its frames.
+RAISED_AT = "elastic.run: raised at (the frames were released so that the process group's sockets close):\n"
+
+
 def _strip(exc: BaseException) -> None:
-    """Drop the frames' locals `exc` keeps alive (a DDP module holds the group: its sockets must close)."""
+    """Drop what `exc`'s tracebacks keep alive (a module holds the group: its sockets must close).
+
+    Clearing the frames' locals is not enough from Python 3.11 on: a frame keeps its function, and a
+    closure its cells (torch's ``Module._call_impl`` runs every module with hooks, FSDP2's included,
+    through a closure over the module). So the tracebacks themselves go; their text stays as a note
+    (`RAISED_AT`), printed with the exception if it propagates."""
     for e in _chain(exc):
+        tb = e.__traceback__
+        if tb is None:
+            continue
+        if hasattr(e, "add_note"):  # Python >= 3.11 (where frames keep their functions)
+            e.add_note(RAISED_AT + "".join(traceback.format_tb(tb)).rstrip())
+            e.__traceback__ = None
         with contextlib.suppress(Exception):
-            traceback.clear_frames(e.__traceback__)
+            traceback.clear_frames(tb)
+        del tb
 
 
 class _NcclWatch(threading.Thread):
@@ -927,12 +943,16 @@ class _Live:
     `release` stops the watch and drops the world's reference to the group (before a failure is judged,
     so that nothing but torch holds the group); `end` destroys the group, aborting it first when asked,
     once. Leaving the ``with`` block ends a generation nobody ended (aborting it): no path leaks a group.
+    `collect`: a builder's state, whose FSDP2 modules are reference cycles holding the mesh's groups (and
+    so their sockets) until a garbage collection, which `end` then runs (after the announcement: it holds
+    the GIL, and so the heartbeat, for a while).
     """
 
-    def __init__(self, world: World, watch: _NcclWatch | None) -> None:
+    def __init__(self, world: World, watch: _NcclWatch | None, collect: bool = False) -> None:
         self.world = world
         self._watch = watch
         self._ended = False
+        self._collect = collect
 
     def __enter__(self) -> _Live:
         return self
@@ -948,12 +968,15 @@ class _Live:
         _NcclWatch.stop(self._watch)
         self._watch = None
         self.world.group = None
+        self.world.mesh = None  # its groups too
 
     def end(self, *, abort: bool) -> None:
         self.release()
         if not self._ended:
             self._ended = True
             _end_group(abort=abort)
+            if self._collect:
+                gc.collect()
 
 
 @attrs.define
@@ -1018,7 +1041,7 @@ class _Loop:
         )
         watch = _NcclWatch(self.rendezvous, gen, group) if self.backend == "nccl" else None
         del group
-        with _Live(world, watch) as live:
+        with _Live(world, watch, collect=self.built is not None) as live:
             return self.train(live, gen, membership)
 
     def train(self, live: _Live, gen: _Generation, membership: Any) -> Any:
@@ -1048,11 +1071,11 @@ class _Loop:
             result = self.fn(self.state, live.world)
         except _EndGeneration as end:
             self.ended_at = time.monotonic()
+            _strip(end)  # first: its frames hold the state's objects
             self._release_state(wait=True)
             live.release()
             if not end.leaving:
                 _announce(self.rendezvous)
-            _strip(end)
             live.end(abort=False)
             self.stalls.succeeded()
             if end.leaving:
@@ -1062,9 +1085,9 @@ class _Loop:
             return _AGAIN
         except BaseException as exc:
             self.ended_at = time.monotonic()
+            _strip(exc)  # first: its frames hold the state's objects
             self._release_state()
             live.release()
-            _strip(exc)
             return self.failed(exc, live, gen, membership, started_at)
         if self.built is not None:
             self.built.snapshots.close(wait=True)  # every rank ends alike: the round in flight completes
@@ -1077,12 +1100,12 @@ class _Loop:
         """A builder's state: its pieces kept, the state (and its hold on the groups) dropped; `wait`: for
         the snapshot in flight (the generation ended by agreement)."""
         if self.built is not None:
+            self.state = None  # first: `release` collects the state once nothing else holds it
             try:
                 self.built.release(wait=wait)
             except Exception as exc:  # the next generation reads what is left (or ckpt)
                 log.warning("run: keeping the pieces of the ended generation failed: %s", exc)
                 self.built.state = None
-            self.state = None
 
     def failed(
         self, exc: BaseException, live: _Live, gen: _Generation, membership: Any, started_at: Any

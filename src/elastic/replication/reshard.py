@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from elastic._util.errors import SyncError
 from elastic.replication.collective import Collective, raise_first
+from elastic.replication.comm import fault_point
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import Path, path_str
 from elastic.state.shards import Piece, apply_sharded, merge_plain, pieces, plain_leaves, sharded_state_dict
@@ -377,6 +378,7 @@ def reshard(new_state: Any, held: Held | Sequence[Held] | None, group: Collectiv
                 else torch.empty(0, dtype=torch.uint8, device=device)
             )
             inp = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+            fault_point("reshard-pieces", me)  # local copies done, nothing received yet: half filled
             comm.wait(
                 dist.all_to_all_single(inp, out, recv_sizes, send_sizes, group=comm.group, async_op=True),
                 "reshard-pieces",
