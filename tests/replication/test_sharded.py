@@ -1,6 +1,9 @@
-"""The election of sharded states, on records alone (no process group): complete versions, replica sets."""
+"""The election of sharded states, on records alone (no process group): complete versions, replica sets;
+then the pieces' transports on four gloo ranks (shared memory, broadcasts, the fallback between them)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -61,3 +64,103 @@ def test_incomparable_tenures_raise_the_tenure_error() -> None:
 def test_every_rank_torn_is_an_error() -> None:
     with pytest.raises(SyncError, match="every rank's state is torn"):
         elect_version(records(1, 1, 1, 1, torn=(0, 1, 2, 3)), HSDP, RANKS, "sync")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pieces' transports, on a 2x2 HSDP mesh of four gloo ranks
+
+
+def _locals(s: Any) -> list[int]:
+    """Where this rank's pieces live: parameters, Adam's moments, the table."""
+    out = [p._local_tensor.data_ptr() for p in s.model.parameters()]
+    for st in s.optimizer.state.values():
+        out += [st[k]._local_tensor.data_ptr() for k in ("exp_avg", "exp_avg_sq")]
+    return [*out, s.table._local_tensor.data_ptr()]
+
+
+def _transports(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    import elastic
+    import elastic.replication.transport.shm as shm
+    from dist_harness import use_transport
+    from sharded_model import build, differences, full, mesh_for, perturb, train
+
+    s = build(mesh_for(world))
+    train(s, 3)
+    elastic.sync(s)
+    good = full(s)
+    out: dict[str, Any] = {}
+
+    def lagging_sync(name: str) -> None:
+        shm.release_shared()
+        if rank >= 2:  # replica index 1 lags
+            s.step -= 1
+            perturb(s)
+        where = _locals(s)
+        report = elastic.sync(s)
+        out[name] = {
+            "moved": report.tensor_bytes,
+            "diff": differences(good, full(s)),
+            "in place": set(where) <= set(_locals(s)),  # Adam's new moments come in addition
+            "shared": shm.shared_cached_bytes() > 0,
+        }
+
+    # 1. On one host the pieces go through shared memory (sources keep a segment, receivers a mapping).
+    use_transport("shared-memory", bucket_bytes=64)
+    lagging_sync("shared-memory")
+    # 2. The broadcasts: no shared memory at all.
+    use_transport("broadcast", bucket_bytes=64)
+    lagging_sync("broadcast")
+    # 3. Rank 3 cannot map its source's segment (another host): its replica set falls back to the
+    #    broadcasts, the other one stays on shared memory.
+    use_transport("shared-memory", bucket_bytes=64)
+    mapped = shm._map
+    if rank == 3:
+
+        def unmappable(ref: Any) -> Any:
+            raise OSError("another host")
+
+        shm._map = unmappable
+    lagging_sync("unmappable")
+    shm._map = mapped
+    # 4. Rank 3's optimizer has no state: it allocates Adam's moments, its source sends its list of pieces.
+    if rank == 3:
+        s.optimizer = torch.optim.Adam(s.model.parameters(), lr=1e-2)
+    lagging_sync("no optimizer state")
+    rows: list[Any] = [None] * world
+    torch.distributed.all_gather_object(rows, out)  # rank 3 dies below: the others bring its results
+    # 5. Rank 3 dies while pieces move on shared memory: every survivor raises, rank 2 is left torn.
+    from elastic.state.lineage import lineage
+
+    if rank >= 2:
+        s.step -= 1
+        perturb(s)
+    os.environ["ELASTIC_FAULT"] = "3:pieces:die"
+    try:
+        elastic.sync(s, timeout=20)
+        out["death"] = None
+    except elastic.SyncError as exc:
+        out["death"] = type(exc).__name__
+    out["torn"] = lineage(s).torn
+    return {**out, "rows": rows}
+
+
+@pytest.mark.timeout(240)
+def test_pieces_move_through_shared_memory_on_one_host_else_by_broadcasts() -> None:
+    from dist_harness import run_on_ranks
+
+    results = run_on_ranks(_transports, 4, timeout=200, allow_exit=True)
+    assert results[3] is None  # rank 3 died at "pieces"
+    rows = results[0]["rows"]
+    for rank, r in enumerate(rows):
+        for name in ("shared-memory", "broadcast", "unmappable", "no optimizer state"):
+            assert r[name]["diff"] == [], (rank, name)
+            assert r[name]["moved"] > 0 and r[name]["in place"], (rank, name)
+        assert r["shared-memory"]["shared"] and not r["broadcast"]["shared"], rank
+    # rank 3 took the broadcasts (no mapping kept); its source kept its segment, replica set 0 its ring
+    assert [r["unmappable"]["shared"] for r in rows] == [True, True, True, False]
+    assert [r["death"] for r in results[:3]] == ["SyncError"] * 3
+    assert [r["torn"] for r in results[:3]] == [False, False, True]

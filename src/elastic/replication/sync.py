@@ -476,7 +476,7 @@ def _sync_in(
         return report
     if is_sharded(state):
         sender, tenure_, moved, object_bytes = sync_sharded(
-            state, config, group, src=src, force=force, op=op, started=started
+            state, config, group, src=src, force=force, op=op, started=started, transport=transport
         )
         report = SyncReport(
             src=sender,
