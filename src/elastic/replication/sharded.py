@@ -97,12 +97,12 @@ def group_layout(comm: Comm | None, mesh: Any, op: str) -> tuple[Layout, list[in
     return layout, ranks
 
 
-def _schema(state: Any, sd: dict[str, Any], own: Sequence[Piece], layout: Layout) -> Any:
+def _schema(state: Any, sd: dict[str, Any], own: Sequence[Piece], keys: Sequence[str], layout: Layout) -> Any:
     """What must agree before anything moves: the class, the mesh and every model piece's key, global
     shape, dtype and placements (optimizer states are allocated by receivers that lack them)."""
     rows = tuple(
-        (path_str(p.path), tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
-        for p in own
+        (key, tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
+        for p, key in zip(own, keys)
         if not _in_optimizer_state(sd, p.path)
     )
     return (type(state).__qualname__, tuple(sd), layout.shape, layout.names, rows)
@@ -132,26 +132,35 @@ def shard_record(
     state: Any, config: StateConfig, layout: Layout, me: int, which: Which = "sync"
 ) -> tuple[ShardRecord, dict[str, Any]]:
     """This rank's election record (global rank `me`), and the sharded state dict it was taken from."""
+    record, sd, _ = _shard_record(state, config, layout, me, which)
+    return record, sd
+
+
+def _shard_record(
+    state: Any, config: StateConfig, layout: Layout, me: int, which: Which
+) -> tuple[ShardRecord, dict[str, Any], dict[str, Piece]]:
+    """`shard_record`, and the pieces of the state dict by key."""
     line = lineage(state)
     try:
         tenure = current(state, config, line)
         sd = sharded_state_dict(state, which)
         own = pieces(sd)
+        keys = [path_str(p.path) for p in own]
         _check_replicated_on_replicate(own, layout)
         record = ShardRecord(
             tenure=tenure,
             torn=line.torn,
             token=line.token,
-            schema=_schema(state, sd, own, layout),
+            schema=_schema(state, sd, own, keys, layout),
             position=layout.position[me],
             stateful=tuple(_optimizers(sd)),
             nbytes=sum(p.local.numel() * p.local.element_size() for p in own),
-            pieces=_paths_digest(own),
+            pieces=_paths_digest(own, keys),
         )
         cloudpickle.dumps(tenure)
     except Exception as exc:
-        return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}
-    return record, sd
+        return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}, {}
+    return record, sd, dict(zip(keys, own))
 
 
 def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None:
@@ -170,8 +179,8 @@ def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None
             raise ValueError(msg)
 
 
-def _paths_digest(own: Sequence[Piece]) -> str:
-    text = "\n".join(sorted(f"{path_str(p.path)} {tuple(p.local.shape)} {p.local.dtype}" for p in own))
+def _paths_digest(own: Sequence[Piece], keys: Sequence[str]) -> str:
+    text = "\n".join(sorted(f"{key} {tuple(p.local.shape)} {p.local.dtype}" for p, key in zip(own, keys)))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -278,6 +287,11 @@ def _identical(records: Sequence[ShardRecord]) -> bool:
 # Moving pieces
 
 
+#: The exchange after the election takes one all-gather when every rank's `_Ready` pickles to less than
+#: this (the objects of a 42-parameter model and Adam, and the plan of its pieces, ~6 KB).
+READY_BYTES = 16 * 1024
+
+
 @attrs.frozen
 class _Ready:
     """What each rank brings to the exchange after the election: the sender its objects (cloudpickled), a
@@ -367,7 +381,7 @@ def sync_sharded(
         mesh = mesh_of(state)
         layout, ranks = group_layout(comm, mesh, op)
         me = ranks[comm.rank]
-        record, sd = shard_record(state, config, layout, me)
+        record, sd, by_key = _shard_record(state, config, layout, me, "sync")
         record = attrs.evolve(record, src=src)
         records = group.gather(record, "elect")
         check_schemas(records, op)
@@ -432,12 +446,13 @@ def sync_sharded(
             metas: list[TensorMeta] = []
             rep: Comm | None = None
             try:
+                stateful = records[sender].stateful
                 if receiver and any(
-                    theirs and not have
-                    for (_, have), (_, theirs) in zip(record.stateful, records[sender].stateful)
+                    theirs and not have for (_, have), (_, theirs) in zip(record.stateful, stateful)
                 ):
                     sd = sharded_state_dict(state, init_optimizers=True)
-                mine = {path_str(p.path): p for p in pieces(sd) if _needed(p, records[sender].stateful)}
+                    by_key = {path_str(p.path): p for p in pieces(sd)}
+                mine = {k: p for k, p in by_key.items() if _needed(p, stateful)}
                 if moving:
                     rep = Comm(mesh.get_group(REPLICATE), comm.timeout, op)
                 if rep is not None and comm.rank == set_source:
@@ -454,7 +469,7 @@ def sync_sharded(
                 except Exception as exc:
                     objects = cloudpickle.dumps(_Unsent(f"{type(exc).__name__}: {exc}"))
                 ready = attrs.evolve(ready, objects=objects)
-            rows = group.gather(ready, "objects")
+            rows = group.gather(ready, "objects", inline=READY_BYTES)
             raise_first(
                 rows,
                 lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
@@ -490,7 +505,7 @@ def sync_sharded(
             failure = str(exc)
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        outcome = group.gather(failure, "commit")
+        outcome = group.errors(failure, "commit")
 
         def fail(rank: int, error: str) -> SyncError:
             msg = (
