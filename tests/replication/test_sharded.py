@@ -142,6 +142,7 @@ def _transports(rank: int, world: int) -> dict[str, Any]:
     import elastic
     import elastic.replication.transport.cma as cma
     import elastic.replication.transport.shm as shm
+    import elastic.state.shards as shards
     from dist_harness import use_transport
     from sharded_model import build, differences, full, mesh_for, perturb, train
 
@@ -157,7 +158,7 @@ def _transports(rank: int, world: int) -> dict[str, Any]:
             s.step -= 1
             perturb(s)
         where = _locals(s)
-        with _counted(dist, "broadcast") as broadcasts:
+        with _counted(dist, "broadcast") as broadcasts, _counted(shards, "_load_module") as loads:
             report = elastic.sync(s)
         out[name] = {
             "moved": report.tensor_bytes,
@@ -165,6 +166,7 @@ def _transports(rank: int, world: int) -> dict[str, Any]:
             "in place": set(where) <= set(_locals(s)),  # Adam's new moments come in addition
             "shared": shm.shared_cached_bytes() > 0,
             "broadcasts": broadcasts[0],
+            "module loads": loads[0],  # the receivers' pieces are in place: nothing to load
         }
 
     # 1. On one host receivers read the pieces from their source's memory: no shared memory, no broadcast.
@@ -247,6 +249,7 @@ def test_pieces_move_by_reads_on_one_host_else_through_shared_memory_or_broadcas
             assert r[name]["moved"] > 0 and r[name]["in place"], (rank, name)
         assert not r["cross-memory"]["shared"] and r["cross-memory"]["broadcasts"] == 0, rank
         assert r["shared-memory"]["shared"] and r["shared-memory"]["broadcasts"] == 0, rank
+        assert all(r[name]["module loads"] == 0 for name in cases), rank
         assert not r["broadcast"]["shared"] and r["broadcast"]["broadcasts"] > 0, rank
         assert r["torch's"] == [] and r["torch's after a change"] == [], rank
         assert r["lr"] == 0.25 and r["walks kept"] == (0, 0), rank

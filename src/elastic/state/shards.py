@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "KEEP",
     "PIECE",
     "REPLICATE",
     "Layout",
@@ -380,11 +381,16 @@ def sharded_state_dict(
     return out
 
 
+#: An `apply_sharded` entry that leaves its field as it is (a module holding nothing but the rank's own
+#: pieces, already written in place: loading them would change nothing).
+KEEP: Any = object()
+
+
 def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path: Path = ()) -> None:
     """Put `sd` (a `sharded_state_dict` of the same schema) into `state`: modules and optimizers through
     torch's `set_model_state_dict` / `set_optimizer_state_dict` (a DTensor entry that *is* the module's own
     tensor is left as it is), other stateful objects through `load_state_dict`, generators restored in
-    place, every other field set to the dict's value."""
+    place, every other field set to the dict's value; a field whose entry is `KEEP` is left as it is."""
 
     modules = _modules(state, which)
     for name in _fields(state, which):
@@ -392,6 +398,8 @@ def apply_sharded(state: Any, sd: dict[str, Any], which: Which = "sync", *, path
         here = (*path, name)
         kind = kind_of(value)
         entry = sd[name]
+        if entry is KEEP:
+            continue
         if kind == Kind.MODULE:
             _load_module(value, entry, here)
         elif kind == Kind.OPTIMIZER:
