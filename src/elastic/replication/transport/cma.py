@@ -25,7 +25,9 @@ still joins the last all-reduce); a communication failure raises `SyncError`.
 
 from __future__ import annotations
 
+import array
 import ctypes
+import itertools
 import logging
 import os
 import pickle
@@ -38,7 +40,7 @@ import attrs
 import torch
 
 from elastic.replication.comm import Comm, fault_point
-from elastic.replication.transport.broadcast import _plain, _quiet
+from elastic.replication.transport.broadcast import _quiet
 from elastic.replication.transport.protocol import OnError, Transport
 from elastic.replication.transport.shm import MIN_BYTES, SharedMemoryTransport, _agree, _signal
 from elastic.state.tensors import TensorMeta
@@ -83,6 +85,25 @@ class CmaPlan(NamedTuple):
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+#: An array of iovecs is built as a flat array of machine words (address, length, address, ...): one C
+#: call for a thousand tensors, where ctypes structures cost ~1 us each.
+_WORD = next((code for code in "LQI" if array.array(code).itemsize == ctypes.sizeof(ctypes.c_size_t)), "")
+_FLAT = bool(_WORD) and ctypes.sizeof(ctypes.c_void_p) == ctypes.sizeof(ctypes.c_size_t)
+
+
+def _iovecs(pairs: list[tuple[int, int]]) -> Any:
+    """`pairs` as a C array of iovecs (kept alive by the returned object)."""
+    if _FLAT:
+        return array.array(_WORD, itertools.chain.from_iterable(pairs))
+    return (_Iovec * len(pairs))(*[_Iovec(*p) for p in pairs])
+
+
+def _address(iovecs: Any) -> Any:
+    if isinstance(iovecs, array.array):
+        return ctypes.cast(iovecs.buffer_info()[0], ctypes.POINTER(_Iovec))
+    return iovecs
 
 
 _libc_lock = threading.Lock()
@@ -140,9 +161,8 @@ def read_regions(pid: int, dests: list[tuple[int, int]], regions: list[tuple[int
     while at < len(regions):
         start, end = at, min(at + IOV_MAX, len(regions))
         count = end - start
-        local = (_Iovec * count)(*[_Iovec(*dests[i]) for i in range(start, end)])
-        remote = (_Iovec * count)(*[_Iovec(*regions[i]) for i in range(start, end)])
-        got = readv(pid, local, count, remote, count, 0)
+        local, remote = _iovecs(dests[start:end]), _iovecs(regions[start:end])
+        got = readv(pid, _address(local), count, _address(remote), count, 0)
         if got < 0:
             errno = ctypes.get_errno()
             msg = f"process_vm_readv from pid {pid} failed: {os.strerror(errno)}"
@@ -195,6 +215,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _regions(tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """Each tensor's address and length in bytes (one pass: ~1 us a tensor), or None when one is not a
+    plain CPU tensor (its bytes not its values in order: non-contiguous, a lazy conjugate or negation)."""
+    out = []
+    for t in tensors:
+        if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+            return None
+        out.append((t.data_ptr(), t.nbytes))
+    return out
+
+
 @attrs.frozen
 class CrossMemoryTransport:
     """Receivers read the source's tensors straight from its memory when each may (see the module), else
@@ -208,14 +239,14 @@ class CrossMemoryTransport:
     min_bytes: int = attrs.field(default=MIN_BYTES, validator=_at_least(0))
     fallback: Transport = attrs.field(factory=SharedMemoryTransport, validator=_is_transport)
 
-    def _why_not(self, tensors: list[torch.Tensor], comm: Comm) -> str | None:
+    def _why_not(self, regions: list[tuple[int, int]] | None, comm: Comm) -> str | None:
         if comm.device.type != "cpu":
             return f"the communication device is {comm.device}"
-        total = sum(map(_nbytes, tensors))
+        if regions is None:
+            return "a source tensor is not a plain CPU tensor"
+        total = sum(length for _, length in regions)
         if total == 0 or total < self.min_bytes:
             return f"{total} bytes to move, fewer than min_bytes={self.min_bytes}"
-        if not all(t.device.type == "cpu" and _plain(t) for t in tensors):
-            return "a source tensor is not a plain CPU tensor"
         if _process_vm_readv() is None:
             return "this platform has no process_vm_readv"
         return None
@@ -223,12 +254,13 @@ class CrossMemoryTransport:
     def plan(self, tensors: list[torch.Tensor], comm: Comm) -> CmaPlan:
         """Where the receivers read the source's tensors (``source=None``: this transfer takes the
         fallback alone, and carries the fallback's plan)."""
-        why = self._why_not(tensors, comm)
+        regions = _regions(tensors)
+        why = self._why_not(regions, comm)
         if why is not None:
             log.debug("cross-memory transport: %s instead, %s", type(self.fallback).__name__, why)
             return CmaPlan(None, (), self.fallback.plan(tensors, comm))
-        regions = tuple((t.data_ptr(), _nbytes(t)) for t in tensors)
-        return CmaPlan(_token.ref(), regions)
+        assert regions is not None
+        return CmaPlan(_token.ref(), tuple(regions))
 
     def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
         """Where a receiver allocates a tensor it lacks (the fallback's choice)."""
@@ -331,9 +363,17 @@ def _read_into(
     direct: list[int] = []
     staged: list[int] = []
     for i, (t, meta) in enumerate(zip(targets, metas)):
-        if regions[i][1] == 0:
+        length = regions[i][1]
+        if not length:
             continue
-        if t.device.type == "cpu" and t.dtype == meta.dtype and _nbytes(t) == regions[i][1] and _plain(t):
+        if (
+            t.is_cpu
+            and t.dtype == meta.dtype
+            and t.nbytes == length
+            and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
+        ):
             direct.append(i)
         else:
             staged.append(i)
