@@ -383,9 +383,10 @@ def _signal(comm: Comm, phase: str, value: int = 1) -> Any:
 AGREE_PHASE = "shared memory"
 
 
-def _agree(comm: Comm, ok: bool) -> bool:
-    """Whether every rank of `comm` says `ok` (one all-reduce); the same answer on every rank."""
-    work, flag, phase = _signal(comm, AGREE_PHASE, 1 if ok else 0)
+def _agree(comm: Comm, ok: bool, phase: str = AGREE_PHASE) -> bool:
+    """Whether every rank of `comm` says `ok` (one all-reduce named `phase`); the same answer on every
+    rank."""
+    work, flag, phase = _signal(comm, phase, 1 if ok else 0)
     comm.wait(work, phase)
     return int(flag.item()) == 1
 
