@@ -152,7 +152,7 @@ def _transports(rank: int, world: int) -> dict[str, Any]:
     good = full(s)
     out: dict[str, Any] = {}
 
-    def lagging_sync(name: str) -> None:
+    def lagging_sync(name: str, note: str = "") -> None:
         shm.release_shared()
         if rank >= 2:  # replica index 1 lags
             s.step -= 1
@@ -162,16 +162,22 @@ def _transports(rank: int, world: int) -> dict[str, Any]:
             report = elastic.sync(s)
         out[name] = {
             "moved": report.tensor_bytes,
-            "diff": differences(good, full(s)),
+            "diff": differences({**good, "note": note}, full(s)),
             "in place": set(where) <= set(_locals(s)),  # Adam's new moments come in addition
             "shared": shm.shared_cached_bytes() > 0,
             "broadcasts": broadcasts[0],
+            "objects": report.object_bytes,
             "module loads": loads[0],  # the receivers' pieces are in place: nothing to load
         }
 
     # 1. On one host receivers read the pieces from their source's memory: no shared memory, no broadcast.
     use_transport("cross-memory", bucket_bytes=64)
     lagging_sync("cross-memory")
+    #    Objects too large to ride in the all-gather: the sender broadcasts them after it.
+    s.note = "n" * 20_000 if rank < 2 else ""  # the laggers lack it
+    lagging_sync("large objects", note="n" * 20_000)
+    out["note"] = s.note
+    s.note = ""
     # 2. The shared-memory ring (sources keep a segment, receivers a mapping), then the broadcasts.
     use_transport("shared-memory", bucket_bytes=64)
     lagging_sync("shared-memory")
@@ -242,12 +248,21 @@ def test_pieces_move_by_reads_on_one_host_else_through_shared_memory_or_broadcas
     results = run_on_ranks(_transports, 4, timeout=200, allow_exit=True)
     assert results[3] is None  # rank 3 died at "pieces"
     rows = results[0]["rows"]
-    cases = ("cross-memory", "shared-memory", "broadcast", "another host", "no optimizer state")
+    cases = (
+        "cross-memory",
+        "large objects",
+        "shared-memory",
+        "broadcast",
+        "another host",
+        "no optimizer state",
+    )
     for rank, r in enumerate(rows):
         for name in cases:
             assert r[name]["diff"] == [], (rank, name)
             assert r[name]["moved"] > 0 and r[name]["in place"], (rank, name)
         assert not r["cross-memory"]["shared"] and r["cross-memory"]["broadcasts"] == 0, rank
+        assert r["note"] == "n" * 20_000 and r["large objects"]["broadcasts"] == 2, rank  # size, bytes
+        assert r["cross-memory"]["objects"] < 8192 < 20_000 < r["large objects"]["objects"], rank
         assert r["shared-memory"]["shared"] and r["shared-memory"]["broadcasts"] == 0, rank
         assert all(r[name]["module loads"] == 0 for name in cases), rank
         assert not r["broadcast"]["shared"] and r["broadcast"]["broadcasts"] > 0, rank

@@ -292,6 +292,9 @@ def _identical(records: Sequence[ShardRecord]) -> bool:
 #: The exchange after the election takes one all-gather when every rank's `_Ready` pickles to less than
 #: this (the objects of a 42-parameter model and Adam, and the plan of its pieces, ~6 KB).
 READY_BYTES = 16 * 1024
+#: Objects larger than this do not ride in the all-gather (every rank would receive them from every rank):
+#: the sender broadcasts them after it.
+OBJECTS_INLINE = 8 * 1024
 
 
 @attrs.frozen
@@ -301,6 +304,8 @@ class _Ready:
     every receiver holds its source's pieces (`aligned`), and any rank whatever kept it from preparing."""
 
     objects: bytes | None = None
+    #: whether the sender broadcasts its objects after the all-gather (more than `OBJECTS_INLINE` bytes)
+    broadcast: bool = False
     plan: Any = None
     order: tuple[str, ...] | None = None
     metas: tuple[TensorMeta, ...] | None = None
@@ -462,15 +467,21 @@ def sync_sharded(
                     own = [mine[k].local for k in order]
                     metas = _metas([mine[k] for k in order])
                     plan = chosen.plan(own, rep)
-                    ready = _Ready(plan=plan) if aligned else _Ready(None, plan, tuple(order), tuple(metas))
+                    ready = (
+                        _Ready(plan=plan)
+                        if aligned
+                        else _Ready(plan=plan, order=tuple(order), metas=tuple(metas))
+                    )
             except Exception as exc:
                 ready = _Ready(error=f"{type(exc).__name__}: {exc}")
+            objects: bytes | None = None
             if comm.rank == sender:
                 try:
                     objects = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex))
                 except Exception as exc:
                     objects = cloudpickle.dumps(_Unsent(f"{type(exc).__name__}: {exc}"))
-                ready = attrs.evolve(ready, objects=objects)
+                inline = len(objects) <= OBJECTS_INLINE
+                ready = attrs.evolve(ready, objects=objects if inline else None, broadcast=not inline)
             rows = group.gather(ready, "objects", inline=READY_BYTES)
             raise_first(
                 rows,
@@ -478,6 +489,8 @@ def sync_sharded(
                 lambda x: x.error,
             )
             payload = rows[sender].objects
+            if rows[sender].broadcast:
+                payload = comm.broadcast_bytes(objects, sender, "objects")
             assert payload is not None  # the sender sends its objects or why it has none
             object_bytes = len(payload)
             sent = cloudpickle.loads(payload)
