@@ -52,7 +52,7 @@ def body(rank: int, world: int, port: int) -> dict[str, Any]:
     dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=world - 1 - rank, world_size=world)
-    generation = types.SimpleNamespace(size=world, mesh=None)
+    generation = types.SimpleNamespace(size=world, mesh=None, generation=1)
     built.start(generation)
     new = built.state
     coordinate = generation.mesh.get_coordinate()
