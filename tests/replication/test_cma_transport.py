@@ -94,6 +94,19 @@ def test_plan_names_the_source_or_only_the_fallback() -> None:
     assert alone.source is None and isinstance(alone.fallback, ShmPlan)
 
 
+def test_yama_decides_who_may_read_a_sibling(monkeypatch: pytest.MonkeyPatch) -> None:
+    ptrace = 1 << cma.CAP_SYS_PTRACE
+    assert cma.yama_refusal(None, 0) is None and cma.yama_refusal("0\n", 0) is None  # no Yama, classic
+    assert cma.yama_refusal("1\n", ptrace) is None and cma.yama_refusal("2\n", ptrace | 1) is None
+    for scope, caps in [("1\n", 0), ("2\n", ptrace - 1), ("3\n", ptrace)]:
+        why = cma.yama_refusal(scope, caps)
+        assert why == f"Yama's ptrace_scope is {scope.strip()}: receivers may not read a sibling's memory"
+    # a source that Yama forbids reading plans its fallback alone: no round to find out
+    monkeypatch.setattr(cma, "_refusal", [cma.yama_refusal("1", 0)])
+    plan = CrossMemoryTransport(min_bytes=0, fallback=BroadcastTransport()).plan([torch.zeros(4)], _comm())
+    assert plan == CmaPlan(None, (), [False])
+
+
 def test_the_token_check_reads_only_the_source() -> None:
     ref = cma._token.ref()
     assert cma.can_read(ref) is None  # this process holds its own token

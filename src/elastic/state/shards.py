@@ -46,6 +46,7 @@ __all__ = [
     "layout_of",
     "merge_plain",
     "mesh_of",
+    "model_state_dict",
     "optimizer_state_dict",
     "pieces",
     "plain_leaves",

@@ -16,7 +16,8 @@ token) holds it at that address, so a plan whose pid names another process here 
 host or in another pid namespace) never makes a receiver read unrelated memory into its tensors. One
 all-reduce (MIN of a flag) says whether every receiver could; if one could not, the source plans its
 fallback (a `SharedMemoryTransport`), broadcasts that plan, and every rank runs the fallback for this
-transfer. Otherwise each receiver reads every tensor into its target, in place (a target whose bytes are
+transfer (a source that finds Yama forbids reading a sibling plans the fallback alone, without that
+round). Otherwise each receiver reads every tensor into its target, in place (a target whose bytes are
 not its values in order, or of another dtype, goes through a temporary, one at a time), and a last
 all-reduce tells the source that no receiver reads its memory any more: `send` returns only then, so the
 caller's tensors stay as they are while they are read. A read that fails goes to `on_error` (every rank
@@ -45,7 +46,18 @@ from elastic.replication.transport.protocol import OnError, Transport
 from elastic.replication.transport.shm import MIN_BYTES, SharedMemoryTransport, _agree, _signal
 from elastic.state.tensors import TensorMeta
 
-__all__ = ["AGREE_PHASE", "DONE_PHASE", "READ_PHASE", "CmaPlan", "CrossMemoryTransport", "SourceRef"]
+__all__ = [
+    "AGREE_PHASE",
+    "DONE_PHASE",
+    "READ_PHASE",
+    "CmaPlan",
+    "CrossMemoryTransport",
+    "SourceRef",
+    "can_read",
+    "ptrace_refusal",
+    "read_regions",
+    "yama_refusal",
+]
 
 log = logging.getLogger("elastic")
 
@@ -147,6 +159,43 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_token.renew)
 
 
+#: Where Linux's Yama module says who may trace (and so read) whom, and the capability that overrides it.
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+CAP_SYS_PTRACE = 19
+_refusal: list[str | None] = []  # ptrace_refusal() once found
+
+
+def yama_refusal(scope: str | None, capabilities: int) -> str | None:
+    """Why Yama forbids reading a sibling process's memory (None: it does not), from the text of
+    `YAMA_SCOPE` (None: no Yama) and this process's effective capabilities: at 1 (Ubuntu's default) only
+    an ancestor may read, at 2 only a holder of ``CAP_SYS_PTRACE``, those may at 1 too; at 3 nobody."""
+    level = int(scope.strip()) if scope is not None and scope.strip().isdigit() else 0
+    if level == 0 or (level in (1, 2) and capabilities >> CAP_SYS_PTRACE & 1):
+        return None
+    return f"Yama's ptrace_scope is {level}: receivers may not read a sibling's memory"
+
+
+def ptrace_refusal() -> str | None:
+    """`yama_refusal` for this process (looked up once): a source that finds one plans its fallback
+    alone, without the round in which every receiver would find it cannot read."""
+    if not _refusal:
+        try:
+            with open(YAMA_SCOPE) as f:
+                scope: str | None = f.read()
+        except OSError:
+            scope = None
+        capabilities = 0
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("CapEff:"):
+                        capabilities = int(line.split()[1], 16)
+        except (OSError, ValueError, IndexError):
+            capabilities = 0
+        _refusal.append(yama_refusal(scope, capabilities))
+    return _refusal[0]
+
+
 def read_regions(pid: int, dests: list[tuple[int, int]], regions: list[tuple[int, int]]) -> None:
     """Copy each ``(address, length)`` of `regions` in process `pid` to the same-length local region of
     `dests`, by ``process_vm_readv`` (at most `IOV_MAX` a call, resumed after a partial read).
@@ -232,8 +281,9 @@ class CrossMemoryTransport:
     `fallback` (by default a `SharedMemoryTransport`).
 
     Transfers of fewer than `min_bytes`, on a non-CPU communication device, of a source tensor whose bytes
-    are not its values in order (non-contiguous, a lazy conjugate), or where the platform has no
-    ``process_vm_readv``, go by `fallback` without the extra all-reduce. Nothing is kept between calls.
+    are not its values in order (non-contiguous, a lazy conjugate), where the platform has no
+    ``process_vm_readv`` or where Yama forbids reading a sibling (`ptrace_refusal`), go by `fallback`
+    without the extra all-reduce. Nothing is kept between calls.
     """
 
     min_bytes: int = attrs.field(default=MIN_BYTES, validator=_at_least(0))
@@ -249,7 +299,7 @@ class CrossMemoryTransport:
             return f"{total} bytes to move, fewer than min_bytes={self.min_bytes}"
         if _process_vm_readv() is None:
             return "this platform has no process_vm_readv"
-        return None
+        return ptrace_refusal()
 
     def plan(self, tensors: list[torch.Tensor], comm: Comm) -> CmaPlan:
         """Where the receivers read the source's tensors (``source=None``: this transfer takes the
