@@ -34,7 +34,6 @@ import os
 import pickle
 import secrets
 import threading
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import attrs
@@ -42,7 +41,7 @@ import torch
 
 from elastic.replication.comm import Comm, fault_point
 from elastic.replication.transport.broadcast import _quiet
-from elastic.replication.transport.protocol import OnError, Transport
+from elastic.replication.transport.protocol import OnError, Transport, at_least
 from elastic.replication.transport.shm import MIN_BYTES, SharedMemoryTransport, _agree, _signal
 from elastic.state.tensors import TensorMeta
 
@@ -240,17 +239,6 @@ def can_read(ref: SourceRef) -> str | None:
 # The transport
 
 
-def _at_least(low: int) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            msg = (
-                f"CrossMemoryTransport({attribute.name}=...) must be an int of at least {low}, got {value!r}"
-            )
-            raise ValueError(msg)
-
-    return check
-
-
 def _is_transport(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, Transport) or isinstance(value, CrossMemoryTransport):
         msg = (
@@ -286,7 +274,7 @@ class CrossMemoryTransport:
     without the extra all-reduce. Nothing is kept between calls.
     """
 
-    min_bytes: int = attrs.field(default=MIN_BYTES, validator=_at_least(0))
+    min_bytes: int = attrs.field(default=MIN_BYTES, validator=at_least(0))
     fallback: Transport = attrs.field(factory=SharedMemoryTransport, validator=_is_transport)
 
     def _why_not(self, regions: list[tuple[int, int]] | None, comm: Comm) -> str | None:
