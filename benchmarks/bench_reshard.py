@@ -97,9 +97,9 @@ def bytes_between(new: Sharded, held: Any, group: Collective) -> tuple[list[int]
     `new`: the plan `reshard` makes, from the same regions."""
     targets = shards.pieces(shards.sharded_state_dict(new))
     wanted = group.gather(tuple(region_of(p) for p in targets), "bench-wanted")
-    first = group.gather((tuple(held.regions), held.tenure), "bench-held")
-    _, holders = elect_held([r for r, _ in first], [t for _, t in first])
-    moves = plan_moves(wanted, [r for r, _ in first], holders)
+    offers = group.gather((held.offer(),), "bench-held")
+    _, holders = elect_held(offers)
+    moves = plan_moves(wanted, offers, holders)
     send, recv = [0] * group.world, [0] * group.world
     for m in moves:
         n = torch.Size(m.box[1]).numel() * 4  # fp32 throughout

@@ -20,10 +20,11 @@ ratio to its baseline measured in the same run:
   Before each load the rank's pieces are perturbed, and after it they are checked against the first
   load's, so that neither can be a no-op;
 - sync of a lagging replica set: on the 2x2 mesh, replica index 1 (ranks 2 and 3) is one step behind and
-  its values differ (untimed, before each round); `elastic.sync(state)` brings it up (pieces broadcast
-  inside each replica set, straight into the receivers' tensors) vs one `dist.broadcast` of a flat
-  buffer of the bytes of one rank's pieces in each rank's ``mesh.get_group("replicate")``, both replica
-  sets at once (the floor: no election, no Python per tensor).
+  its values differ (untimed, before each round); `elastic.sync(state)` brings it up (inside each replica
+  set the receiver reads its source's pieces straight into its own tensors, by the default transport) vs
+  one `dist.broadcast` of a flat buffer of the bytes of one rank's pieces in each rank's
+  ``mesh.get_group("replicate")``, both replica sets at once (the floor: no election, no Python per
+  tensor).
 
 Peak extra memory: for sync and load (ours and the baseline), each rank's rise of its high-water mark
 (VmHWM, reset through ``/proc/self/clear_refs`` before the call) above its RSS before the call, the

@@ -5,8 +5,8 @@ by default), rank 1 a module of the same shapes, so every transfer writes in pla
 same run and interleaved round by round (the order rotates), it times:
 
 - floor: one `dist.broadcast` of a flat, preallocated buffer of the same bytes;
-- `BroadcastTransport` and `SharedMemoryTransport` `send`/`receive` alone (metadata and plans computed
-  once, before the rounds);
+- `BroadcastTransport`, `SharedMemoryTransport` and `CrossMemoryTransport` (the default) `send`/`receive`
+  alone (metadata and plans computed once, before the rounds);
 - `elastic.sync(state, force=True)` with each of them as the default transport.
 
 A round's time is the slower rank's, from a barrier to the end of the call; each method is printed as the
@@ -35,6 +35,7 @@ import elastic
 from elastic.replication.comm import Comm
 from elastic.replication.transport import default as _transports
 from elastic.replication.transport.broadcast import BroadcastTransport
+from elastic.replication.transport.cma import CrossMemoryTransport
 from elastic.replication.transport.protocol import Transport
 from elastic.replication.transport.shm import SharedMemoryTransport
 from elastic.state.tensors import TensorMeta
@@ -48,8 +49,10 @@ def label(key: str) -> str:
         "floor": "one `broadcast` of a flat buffer (floor)",
         "broadcast": "`BroadcastTransport` send/receive",
         "shm": f"`SharedMemoryTransport` send/receive ({tag})",
+        "cma": "`CrossMemoryTransport` send/receive",
         "sync_broadcast": "`elastic.sync(force=True)`, BroadcastTransport",
         "sync_shm": f"`elastic.sync(force=True)`, SharedMemoryTransport ({tag})",
+        "sync_cma": "`elastic.sync(force=True)`, CrossMemoryTransport",
     }[name]
 
 
@@ -98,6 +101,8 @@ def make_methods(
     for tag, shm in shms.items():
         methods[f"shm {tag}"] = transfer(shm)
         methods[f"sync_shm {tag}"] = synced(shm)
+    methods["cma"] = transfer(CrossMemoryTransport())
+    methods["sync_cma"] = synced(CrossMemoryTransport())
     return methods
 
 
@@ -177,6 +182,9 @@ def report(
         alone = statistics.median(times[key]) / statistics.median(times["broadcast"])
         sync = statistics.median(times[f"sync_shm {tag}"]) / statistics.median(times["sync_broadcast"])
         print(f"shared memory ({tag}) / broadcast: transport alone {alone:.2f}x, inside sync {sync:.2f}x")
+    alone = statistics.median(times["cma"]) / statistics.median(times["broadcast"])
+    sync = statistics.median(times["sync_cma"]) / statistics.median(times["sync_broadcast"])
+    print(f"cross memory / broadcast: transport alone {alone:.2f}x, inside sync {sync:.2f}x")
 
 
 def main() -> None:

@@ -137,9 +137,10 @@ TRANSPORTS = ("shared-memory", "broadcast")
 
 
 def use_transport(kind: str, *, bucket_bytes: int, direct_bytes: int | None = None) -> None:
-    """Make `kind` (one of `TRANSPORTS`) the default transport, with buckets small enough that a test's
-    small state spans many of them (and the shared-memory path is taken however few bytes move)."""
-    from elastic.replication.transport import broadcast, default, shm
+    """Make `kind` (one of `TRANSPORTS`, or "cross-memory": reads from the source's memory, else the
+    shared-memory ring) the default transport, with buckets small enough that a test's small state spans
+    many of them (and the shared-memory paths are taken however few bytes move)."""
+    from elastic.replication.transport import broadcast, cma, default, shm
 
     options: dict[str, int] = {"bucket_bytes": bucket_bytes}
     if direct_bytes is not None:
@@ -147,12 +148,12 @@ def use_transport(kind: str, *, bucket_bytes: int, direct_bytes: int | None = No
     fallback = broadcast.BroadcastTransport(**options)
     if kind == "broadcast":
         default.set_default_transport(fallback)
-    elif kind == "shared-memory":
+    elif kind in ("shared-memory", "cross-memory"):
         ramp = min(broadcast.RAMP_MIN, bucket_bytes)
-        chosen = shm.SharedMemoryTransport(
+        ring = shm.SharedMemoryTransport(
             bucket_bytes=bucket_bytes, min_bytes=0, ramp_min=ramp, fallback=fallback
         )
-        default.set_default_transport(chosen)
+        default.set_default_transport(ring if kind == "shared-memory" else cma.CrossMemoryTransport(0, ring))
     else:
         msg = f"unknown transport {kind!r}; use one of {TRANSPORTS}"
         raise ValueError(msg)

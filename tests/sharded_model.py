@@ -2,8 +2,8 @@
 a DTensor table sharded on its second dimension (a tensor-parallel placement next to FSDP's), and a step.
 
 `full` gathers the whole state with torch's own `full_state_dict` (every rank gets it), `differences` compares
-two gathers bit for bit, `digest` hashes one. Dimensions are chosen so that shards are uneven on every mesh of
-2-5 ranks.
+two gathers bit for bit, `digest` names one by a hash of its bytes. Dimensions are chosen so that shards are
+uneven on every mesh of 2-5 ranks.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 
 def digest(gathered: Any) -> str:
-    """A short hash of a gather (`full`): its keys in sorted order, tensors by their bytes."""
+    """A short hash of a gather (`full`): keys, tensors' bytes and other values' reprs."""
     h = hashlib.sha256()
 
     def feed(value: Any) -> None:

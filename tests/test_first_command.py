@@ -6,7 +6,7 @@ PYTHONPATH is dropped for the same reason. The only help pip gets is a constrain
 build this interpreter runs (a constraint installs nothing): from this machine's wheels or index, as
 `.ci/run` installs it, instead of whatever larger build the public index offers. The demo must end with its
 verdict line, and its output must hold nothing a new user would puzzle over: no traceback, no Python
-warning (torch warns at every import when NumPy is missing).
+warning (torch warns at every import when NumPy is missing); its log must show the recovery it describes.
 """
 
 from __future__ import annotations
@@ -80,3 +80,14 @@ def test_the_first_command_runs_the_demo_in_a_fresh_venv(tmp_path: Path) -> None
     warnings = [line for line in lines if PY_WARNING.search(line)]
     assert not warnings, f"{command!r} printed warnings a new user would puzzle over: {warnings}"
     assert "Failed to initialize NumPy" not in out, out
+    # What the demo shows (this is its only test): worker 2 killed, its slot restarted, the survivors went on
+    # from the step they were at, the replacement received their state.
+    killed = re.search(r"\[rank 2\] step (\d+): killing this worker \(SIGKILL\)", out)
+    assert killed and int(killed.group(1)) >= 30, out  # --kill-at's default
+    step = killed.group(1)
+    assert "restarting slot 2 (restart 1 of 1)" in out, out
+    survivor = rf"\[rank 0\] worker 0 \(life 0\): generation \d+ starts at step {step} as rank \d of [12]"
+    assert re.search(survivor, out), out
+    replacement = r"\[rank 2\] worker 2 \(life 1\): generation \d+ starts at step (\d+) as rank \d of 3"
+    joined = re.search(replacement, out)
+    assert joined and int(joined.group(1)) >= int(step), out

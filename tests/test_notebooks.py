@@ -79,6 +79,37 @@ def test_notebook_runs_and_shows_the_workers(path: Path, kernel_name: str) -> No
         check_quickstart(texts)
     if path.stem == "recovery":
         check_recovery(texts)
+    if path.stem == "fsdp":
+        check_fsdp(texts)
+
+
+def check_fsdp(texts: list[str]) -> None:
+    run_cell = next(t for t in texts if "killing this worker" in t)
+    assert "[rank 3] killing this worker (SIGKILL) after step 6" in run_cell
+    assert "restarting slot 3 (restart 1 of 1)" in run_cell
+    gens = re.findall(
+        r"^generation (\d+): (\d) workers, mesh (\([\d, ]+\)) .*?, from step (\d+) at [\d.]+ s(.*)$",
+        run_cell,
+        re.M,
+    )
+    assert [(size, mesh) for _, size, mesh, _, _ in gens] == [("4", "(2, 2)"), ("3", "(3,)"), ("4", "(2, 2)")]
+    (_, _, _, first, _), (_, _, _, resumed, after_kill), (number, _, _, rejoined, after_join) = gens
+    assert first == "0" and resumed in ("5", "6") and int(rejoined) > int(resumed)  # <= 1 step lost
+    assert after_kill == f": the state equal bit for bit to step {resumed} before"
+    assert after_join.endswith("; the replacement received it bit for bit")
+    assert (
+        f"[rank 3] slot 3 life 1: generation {number}, rank 3 of 4, mesh (2, 2), from step {rejoined}"
+        in run_cell
+    )
+    finals = re.search(r"^finished at step (\d+), state digest by slot: ([0-9a-f ]+): (.+)$", run_cell, re.M)
+    assert finals and int(finals.group(1)) >= 16 and len(set(finals.group(2).split())) == 1
+    assert finals.group(3) == "the same on every worker"
+    plot_cell = next(t for t in texts if "meshes: " in t)
+    assert "Figure" in plot_cell  # the plot, then what it shows
+    assert "meshes: (2, 2) -> (3,) -> (2, 2); kill -> first step: " in plot_cell
+    assert f"steps lost: {6 - int(resumed)};" in plot_cell
+    assert "every generation started from the state of its step, bit for bit: True" in plot_cell
+    assert "final state digests equal on all 4 workers: True" in plot_cell
 
 
 def check_recovery(texts: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""`Built`, the state of a builder `run` across generations, on two real gloo ranks.
+"""`elastic.recovery.builder`: `Built`, the state of a builder `run` across generations, on two real gloo
+ranks, and its helpers that need no processes.
 
 `release` keeps the pieces and frees the state with everything that holds the generation's process groups
 (FSDP2's modules are reference cycles, torch's DTensor caches keep their meshes): a group still referenced
@@ -9,9 +10,14 @@ meshes by value and would hand the new DTensors the old mesh).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from dist_harness import free_port, run_on_ranks
+from elastic.recovery import builder
+from elastic.recovery.builder import snapshot_every_mismatch
 
 
 def body(rank: int, world: int, port: int) -> dict[str, Any]:
@@ -46,7 +52,7 @@ def body(rank: int, world: int, port: int) -> dict[str, Any]:
     dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=world - 1 - rank, world_size=world)
-    generation = types.SimpleNamespace(size=world, mesh=None)
+    generation = types.SimpleNamespace(size=world, mesh=None, generation=1)
     built.start(generation)
     new = built.state
     coordinate = generation.mesh.get_coordinate()
@@ -63,3 +69,34 @@ def test_release_frees_the_groups_holders_and_a_swapped_mesh_gets_new_coordinate
         assert r["freed"] == (True, True) and r["held"]
         assert r["coordinates"] == {True}
         assert r["after"] == r["before"]  # the same state, resharded onto the swapped ranks
+
+
+def test_snapshot_every_alike_on_every_rank_is_fine() -> None:
+    assert snapshot_every_mismatch([10, 10, 10]) is None
+    assert snapshot_every_mismatch([None, None]) is None
+
+
+def test_snapshot_every_differing_between_ranks_names_the_ranks_and_their_values() -> None:
+    msg = snapshot_every_mismatch([10, 5, 10, None])
+    assert msg == (
+        "elastic.run: the workers were given different snapshot_every (ranks [0, 2]: snapshot_every=10; "
+        "ranks [1]: snapshot_every=5; ranks [3]: snapshot_every=None); pass the same snapshot_every to "
+        "elastic.run on every worker"
+    )
+
+
+def test_a_snapshot_reshards_fsdp_modules_before_copying_the_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(builder, "_reshard_fsdp", lambda state: calls.append(("reshard", state)))
+    monkeypatch.setattr(builder, "tenure", lambda state: 7)
+    built = builder.Built(
+        build=lambda world: None,
+        plan=builder.MeshPlan(lambda n: (n,)),
+        ckpt=None,
+        timeout=timedelta(seconds=5),
+        snapshot_every=2,
+        state="the state",
+    )
+    monkeypatch.setattr(built.snapshots, "take", lambda state, t: calls.append(("take", state, t)))
+    built.snapshot()
+    assert calls == [("reshard", "the state"), ("take", "the state", 7)]

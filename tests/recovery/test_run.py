@@ -619,6 +619,17 @@ def test_check_exchanges_the_flag_every_check_every_calls(single_group: Any) -> 
     assert not isinstance(info.value, Exception)  # user code's `except Exception` does not swallow it
 
 
+def test_check_takes_a_builders_snapshot_every_snapshot_every_calls(single_group: Any) -> None:
+    rdzv = FakeRendezvous({"a"})
+    world = make_world(rdzv, group=single_group, check_every=3)
+    taken: list[int] = []
+    world._snapshot = (2, lambda: taken.append(world._calls))
+    for _ in range(7):
+        world.check()
+    assert taken == [2, 4, 6]  # on its own count, whatever check_every is
+    assert rdzv.pending_calls == 2
+
+
 def test_a_sigterm_makes_check_leave(single_group: Any) -> None:
     rdzv = FakeRendezvous({"a"})
     with _run._Departure() as departure:
@@ -689,6 +700,16 @@ def test_bad_arguments() -> None:
         elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", max_workers=3, first_workers=4)
     with pytest.raises(TypeError):
         elastic.run(lambda s, w: None, object(), rdzv="127.0.0.1:1")
+    with pytest.raises(
+        TypeError, match=r"snapshot_every=5\): snapshots are for sharded states.*drop snapshot_every"
+    ):
+        elastic.run(lambda s, w: None, state, rdzv="127.0.0.1:1", snapshot_every=5)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=r"snapshot_every=\.\.\.\) must be an int >= 1, got"):
+            elastic.run(lambda s, w: None, lambda world: None, rdzv="127.0.0.1:1", snapshot_every=bad)
+    for wrong in (2.5, True, "5"):
+        with pytest.raises(TypeError, match=r"snapshot_every=\.\.\.\) must be an int >= 1 or None"):
+            elastic.run(lambda s, w: None, lambda world: None, rdzv="127.0.0.1:1", snapshot_every=wrong)
     with pytest.raises(ValueError, match="restart"):
         elastic.spawn(lambda: None, 2, restart="machine")
     with pytest.raises(ValueError, match=r"backend='nccl', restart='worker'.*picks its backend itself"):
@@ -799,34 +820,6 @@ def test_two_torchruns_share_one_store_and_only_the_failed_machine_restarts(tmp_
     assert rec["A-0-0"]["gens"][0][2] == 0 and len(rec["A-0-0"]["gens"]) >= 3  # 3 -> smaller -> 3 workers
     for k in ("B-0-1", "B-1-1"):
         assert rec[k]["gens"][0][2] >= 15  # the restarted workers received the state
-
-
-def test_the_readme_first_demo_recovers_and_ends_with_equal_weights() -> None:
-    """examples/recover.py, the README's first command, with fewer steps."""
-    import re
-
-    script = Path(__file__).resolve().parents[2] / "examples" / "recover.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [sys.executable, str(script), "--steps", "30", "--kill-at", "12"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=env,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    killed = re.search(r"\[rank 2\] step (\d+): killing this worker \(SIGKILL\)", out)
-    assert killed and int(killed.group(1)) >= 12, out
-    step = killed.group(1)
-    assert "restarting slot 2 (restart 1 of 1)" in out
-    # the survivors went on from the step they were at
-    survivor = rf"\[rank 0\] worker 0 \(life 0\): generation \d+ starts at step {step} as rank \d of [12]"
-    assert re.search(survivor, out), out
-    replacement = r"\[rank 2\] worker 2 \(life 1\): generation \d+ starts at step (\d+) as rank \d of 3"
-    joined = re.search(replacement, out)
-    assert joined and int(joined.group(1)) >= int(step), out  # the replacement received the survivors' state
-    assert re.search(r"final weights equal on every worker: [0-9a-f]{8}", out), out
 
 
 # --------------------------------------------------------------------------------------------------------

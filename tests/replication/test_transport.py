@@ -430,9 +430,12 @@ def test_broadcast_transport_takes_its_sizes_as_arguments() -> None:
 
 def test_default_transport_can_be_replaced() -> None:
     import elastic.replication.transport.default as transports
+    from elastic.replication.transport.cma import CrossMemoryTransport
     from elastic.replication.transport.shm import SharedMemoryTransport
 
-    assert transports.default_transport() == SharedMemoryTransport()  # with its broadcast fallback
+    # reads from the source's memory, else the shared-memory ring, else the broadcasts
+    assert transports.default_transport() == CrossMemoryTransport()
+    assert transports.default_transport().fallback == SharedMemoryTransport()  # type: ignore[attr-defined]
     mine = BroadcastTransport(bucket_bytes=1024)
     previous = transports.set_default_transport(mine)
     try:

@@ -1,4 +1,5 @@
-"""Shard positions and replica sets of a mesh, and the plain part of a sharded state dict (no group)."""
+"""Shard positions and replica sets of a mesh, the plain part of a sharded state dict, and fields kept as
+they are when a state dict is applied (no group)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import elastic
@@ -102,3 +104,23 @@ def test_importing_elastic_does_not_import_dtensor_or_dcp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_kept_entry_leaves_its_field_as_it_is() -> None:
+    import attrs
+
+    import elastic
+    from elastic.state.shards import KEEP, apply_sharded
+
+    @elastic.elastic_state(tenure="step")
+    @attrs.define
+    class Small:
+        model: torch.nn.Module
+        step: int = 0
+
+    s = Small(model=torch.nn.Linear(2, 2))
+    weight = s.model.weight.detach().clone()
+    apply_sharded(s, {"model": KEEP, "step": 5})  # a module entry that is not a state dict: not loaded
+    assert s.step == 5 and torch.equal(s.model.weight, weight)
+    with pytest.raises(ValueError, match="does not match the module"):
+        apply_sharded(s, {"model": {}, "step": 6})

@@ -13,11 +13,14 @@ touches the filesystem.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +38,9 @@ __all__ = [
     "HashingWriter",
     "hash_file",
     "hash_stream",
+    "listed_crcs",
     "tree_root",
+    "without_zip_crc",
     "write_bytes",
     "write_content",
 ]
@@ -88,8 +93,18 @@ class FileRecord:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": self.size, "chunk": self.chunk, TREE_KEY: self.digest}
         if self.crcs:
-            out["crc32"] = list(self.crcs)
+            out["crc32"] = "".join(f"{c:08x}" for c in self.crcs)  # one JSON string: cheap to encode
         return out
+
+
+def listed_crcs(record: dict[str, Any]) -> list[int]:
+    """The chunk CRC-32s a manifest's file record lists (a hex string, 8 digits a chunk, or a list of
+    ints as the first sharded checkpoints wrote them)."""
+    value = record["crc32"]
+    if isinstance(value, str):
+        raw = bytes.fromhex(value)
+        return list(struct.unpack(f">{len(raw) // 4}I", raw))
+    return [int(c) for c in value]
 
 
 class ChunkSum:
@@ -197,7 +212,17 @@ class HashingWriter:
             self._sink.write(view)
         else:
             pool = _hash_pool()
-            futures: list[Future[None]] = [pool.submit(self._hashes[k].update, piece) for k, piece in pieces]
+            futures: list[Future[None]] = []
+            batch: list[tuple[ChunkSum, memoryview]] = []  # small chunks: one task hashes ~CHUNK bytes
+            size = 0
+            for k, piece in pieces:
+                batch.append((self._hashes[k], piece))
+                size += piece.nbytes
+                if size >= CHUNK:
+                    futures.append(pool.submit(_update, batch))
+                    batch, size = [], 0
+            if batch:
+                futures.append(pool.submit(_update, batch))
             try:
                 self._sink.write(view)
             finally:
@@ -209,26 +234,40 @@ class HashingWriter:
             self._flushed = self._pos
 
 
+def _update(batch: list[tuple[ChunkSum, memoryview]]) -> None:
+    for h, piece in batch:
+        h.update(piece)
+
+
+@contextlib.contextmanager
+def without_zip_crc(skip: bool = True) -> Iterator[None]:
+    """`torch.save` without torch's own zip CRC-32 inside (when `skip`): the chunk checksums replace it,
+    and computing both costs a second pass over the bytes. The setting is process-wide, so only a caller
+    on the thread that asked for the save skips it (never a background writer, which would change it
+    while the caller's thread may be saving something else). ``torch.load`` reads such files alike."""
+    get = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.6
+    put = getattr(torch.serialization, "set_crc32_options", None)
+    if not skip or get is None or put is None:
+        yield
+        return
+    before = get()
+    put(False)
+    try:
+        yield
+    finally:
+        put(before)
+
+
 def write_content(pending: Pending, name: str, payload: dict[str, Any], *, crc32: bool = False) -> FileRecord:
     """`torch.save(payload)` into the new file `name` of `pending`, checksummed as written and synced.
 
-    torch's own zip CRC-32 is skipped by default (`crc32=False`): the chunk checksums replace it, and
-    computing both would cost a second pass. The async writer keeps it on, so that it never changes the
-    process-wide setting while the caller's thread may be saving something else.
+    torch's own zip CRC-32 is skipped by default (`crc32=False`, `without_zip_crc`); the async writer keeps
+    it on.
     """
     with pending.create(name) as sink:
         writer = HashingWriter(sink)
-        get = getattr(torch.serialization, "get_crc32_options", None)  # torch >= 2.6
-        put = getattr(torch.serialization, "set_crc32_options", None)
-        if crc32 or get is None or put is None:
+        with without_zip_crc(not crc32):
             torch.save(payload, writer)  # type: ignore[arg-type]
-        else:
-            before = get()
-            put(False)
-            try:
-                torch.save(payload, writer)  # type: ignore[arg-type]
-            finally:
-                put(before)
         writer.flush()
         sink.sync()
     return FileRecord(name, writer.size, writer.digest())

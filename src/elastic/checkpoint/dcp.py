@@ -5,20 +5,25 @@ A sharded checkpoint is a DCP checkpoint: one ``__<rank>_0.distcp`` file per wri
 ``torch.distributed.checkpoint.load(state.state_dict(), checkpoint_id=path)`` reads it on any mesh. The
 library adds what DCP leaves out, by its own rules (`elastic.checkpoint.storage`): the files are written
 into a pending checkpoint and published atomically with the manifest last, every file is checksummed
-(CRC-32 per 2 MiB chunk, listed in the manifest), retention keeps the most tenured, and fsspec URLs work.
+(CRC-32 per chunk, listed in the manifest; small chunks: `chunk_for`), retention keeps the most tenured,
+and fsspec URLs work.
 
 Writers: the elected version's holder of each shard position writes that position's pieces (one writer
 per position, in parallel); the rank sending the version's objects writes the plain leaves. DCP's plans are
 exchanged with the library's own collectives, so that a save can run its file writes in a background
 thread (``blocking=False``) while training goes on.
 
-Loading: every rank reads the pieces its new shards overlap (DCP's load planner computes which), from a
-checkpoint every rank sees; each piece's chunks are verified before it is used, and everything is read into
-a staging copy first, so a corrupt piece is never loaded: the group falls back to the next candidate.
+Loading: every rank reads what its new shards overlap (DCP's load planner computes which saved pieces), from
+a checkpoint every rank sees: of each saved piece's `torch.save` blob only its zip directory, its pickle and
+the chunks holding the values the rank needs (`elastic.checkpoint.blob`), into one reused buffer; each chunk
+is verified before its bytes are used, and copied from that buffer into a staging tensor of its target; once
+every rank has read and verified its pieces, the staging tensors are copied into the live ones. A corrupt
+piece is never loaded: the group falls back to the next candidate with the state untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -26,19 +31,17 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint._traverse import get_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 
 from elastic._util.errors import (
     CheckpointCorruptError,
@@ -46,8 +49,16 @@ from elastic._util.errors import (
     CheckpointMismatchError,
     UntrustedCheckpointError,
 )
+from elastic.checkpoint.blob import locate, view_of
 from elastic.checkpoint.codec import MANIFEST
-from elastic.checkpoint.content import FileRecord, HashingWriter, write_bytes
+from elastic.checkpoint.content import (
+    CHUNK,
+    FileRecord,
+    HashingWriter,
+    listed_crcs,
+    without_zip_crc,
+    write_bytes,
+)
 from elastic.checkpoint.manifest import (
     DCP_LAYOUT,
     DCP_METADATA,
@@ -77,7 +88,7 @@ from elastic.replication.sharded import (
 )
 from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict
+from elastic.state.shards import apply_sharded, mesh_of, sharded_state_dict, walks_alike
 from elastic.state.tenure import as_saveable, check_saveable, current, exceeds, order_key
 
 __all__ = ["LAYOUT", "METADATA", "ShardedWrite", "load_sharded", "save_sharded"]
@@ -122,8 +133,22 @@ class _Written:
     error: str | None = None
 
 
+#: A sharded file's checksum chunks: small, so that a rank reading part of a saved piece reads (and
+#: verifies) little more than that part, and at most about `MAX_CHUNKS` of them (their CRCs are listed in the
+#: manifest).
+MIN_CHUNK, MAX_CHUNKS = 64 * 2**10, 4096
+
+
+def chunk_for(nbytes: int) -> int:
+    """The checksum chunk of a sharded file of about `nbytes`: a power of two from `MIN_CHUNK` to `CHUNK`."""
+    chunk = MIN_CHUNK
+    while chunk < CHUNK and chunk * MAX_CHUNKS < nbytes:
+        chunk *= 2
+    return chunk
+
+
 def _write_file(
-    storage: Storage, handle: Any, name: str, items: list[tuple[WriteItem, Any]], rank: int
+    storage: Storage, handle: Any, name: str, items: list[tuple[WriteItem, Any]], rank: int, foreground: bool
 ) -> _Written:
     """Write this rank's items into `name` of the pending checkpoint, as DCP's `FileSystemWriter` lays them
     out (bytes first, then `torch.save` of each tensor), checksummed, and sync it."""
@@ -131,8 +156,11 @@ def _write_file(
     try:
         fault_point("write", rank)
         results = []
-        with contribution.create(name) as sink:
-            writer = HashingWriter(sink)
+        chunk = chunk_for(
+            sum(d.numel() * d.element_size() for i, d in items if i.type != WriteItemType.BYTE_IO)
+        )
+        with contribution.create(name) as sink, without_zip_crc(foreground):
+            writer = HashingWriter(sink, chunk)
             ordered = [x for x in items if x[0].type == WriteItemType.BYTE_IO]
             ordered += [x for x in items if x[0].type != WriteItemType.BYTE_IO]
             for item, data in ordered:
@@ -152,7 +180,7 @@ def _write_file(
             writer.flush()
             sink.sync()
         return _Written(
-            tuple(results), FileRecord(name, writer.size, writer.digest(), crcs=tuple(writer.chunk_crcs()))
+            tuple(results), FileRecord(name, writer.size, writer.digest(), chunk, tuple(writer.chunk_crcs()))
         )
     except Exception as exc:
         return _Written(error=storage.explain(exc) or explain(exc))
@@ -202,7 +230,7 @@ class ShardedWrite:
             self._work()
 
     def _work(self) -> None:
-        self._written = _write_file(*self._args)
+        self._written = _write_file(*self._args, foreground=self.thread is None)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -370,12 +398,22 @@ def save_sharded(state: Any, config: StateConfig, g: Collective, options: SaveOp
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner that unpickles only plain data unless the caller trusts the checkpoint."""
+    """DCP's load planner over the live state dict that reads every tensor into a staging tensor of its own
+    (`commit` copies them in once every rank has read and verified its pieces), and unpickles only plain
+    data unless the caller trusts the checkpoint."""
 
     def __init__(self, trusted: bool, strict: bool) -> None:
         super().__init__(allow_partial_load=not strict)
         self.trusted = trusted
         self.refused: list[str] = []
+        self.staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # fqn: (live local tensor, staging)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        got = self.staged.get(index.fqn)
+        if got is None:
+            live = super().lookup_tensor(index)  # a DTensor's local tensor, or the plain tensor
+            got = self.staged[index.fqn] = (live, torch.empty_like(live))
+        return got[1]
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
@@ -384,6 +422,14 @@ class _LoadPlanner(DefaultLoadPlanner):
             self.refused.append(read_item.dest_index.fqn)
             return
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+
+    def commit(self) -> Any:
+        """Copy the staged tensors into the live ones; the state dict to apply (objects set, the tensors
+        live)."""
+        for live, staging in self.staged.values():
+            live.copy_(staging)
+        self.staged.clear()
+        return self.original_state_dict
 
 
 class _Corrupt(Exception):
@@ -398,12 +444,28 @@ def _read_pieces(
     planner: _LoadPlanner,
     md: Metadata,
 ) -> None:
-    """DCP's reads of `plan`, each piece's chunks verified against the manifest before it is used."""
+    """DCP's reads of `plan`, each chunk verified against the manifest before its bytes are used.
+
+    A tensor's blob is not read whole: its zip directory and pickle say where its values lie
+    (`elastic.checkpoint.blob.locate`), and only the chunks holding the values this rank's piece needs are
+    read, into one reused buffer, and copied from there into the target (a blob `locate` does not know is
+    read whole and goes through ``torch.load``)."""
     files = manifest["files"] if manifest is not None else None
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
         info = md.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append(item)
+    buf = bytearray()
+
+    def into_buffer(chunks: _Chunks, a: int, b: int) -> int:
+        """Bytes [a, b) of the file in `buf` (whole chunks, verified); where byte `a` is in `buf`."""
+        nonlocal buf
+        start, stop = chunks.bounds(a, b)
+        if len(buf) < stop - start:
+            buf = bytearray(stop - start)
+        chunks.read(start, stop, buf)
+        return a - start
+
     with storage.session(directory):
         for name, reqs in per_file.items():
             if files is None:  # a plain DCP checkpoint: nothing to verify against
@@ -413,67 +475,130 @@ def _read_pieces(
                 if rec is None or "crc32" not in rec:
                     raise _Corrupt(f"{name} is not listed in the manifest")
             with storage.open_read(storage.join(directory, name)) as f:
-                verifier = _Verifier(f, rec, name) if rec is not None else None
+                chunks = _Chunks(f, rec, name)
                 for req in sorted(reqs, key=lambda r: md.storage_data[r.storage_index].offset):
                     info = md.storage_data[req.storage_index]
-                    if verifier is None:
-                        f.seek(info.offset)
-                        data = memoryview(f.read(info.length))
-                    else:
-                        data = verifier.read(info.offset, info.length)
+                    fqn = req.storage_index.fqn
                     if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(data))
+                        at = into_buffer(chunks, info.offset, info.offset + info.length)
+                        planner.load_bytes(req, io.BytesIO(memoryview(buf)[at : at + info.length]))
                         continue
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                    base = info.offset
+                    layout = locate(functools.partial(_in_blob, chunks, base), info.length)
+                    if layout is not None:
+                        extent = layout.extent(req.storage_offsets, req.lengths)
+                        if extent is None:
+                            raise _Corrupt(
+                                f"{name}: the saved piece of {fqn} has shape {layout.size}, which holds no "
+                                f"region at {tuple(req.storage_offsets)} of {tuple(req.lengths)}"
+                            )
+                        lo, hi = extent
+                        size = layout.dtype.itemsize
+                        a = base + layout.data + lo * size
+                        at = into_buffer(chunks, a, a + (hi - lo) * size)
+                        tensor = view_of(buf, at, layout.dtype, hi - lo, req.lengths, layout.stride)
+                    else:
+                        at = into_buffer(chunks, base, base + info.length)
+                        blob = io.BytesIO(memoryview(buf)[at : at + info.length])
+                        tensor = torch.load(blob, map_location="cpu", weights_only=True)
+                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise _Corrupt(
-                            f"{name}: a piece of {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
-                            f"expected {tuple(target.size())}"
+                            f"{name}: a piece of {fqn} has shape {tuple(tensor.size())}, expected "
+                            f"{tuple(target.size())}"
                         )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
+                    del tensor
 
 
-class _Verifier:
-    """Reads of one checkpoint file, each 2 MiB chunk's CRC-32 checked once per load before its bytes are
-    used (pieces sorted by offset share their boundary chunks)."""
+def _in_blob(chunks: _Chunks, base: int, a: int, b: int) -> Any:
+    return chunks.small(base + a, base + b)
 
-    def __init__(self, f: Any, rec: dict[str, Any], name: str) -> None:
+
+class _Chunks:
+    """Reads of one checkpoint file, each chunk's CRC-32 checked once per load before any of its bytes is
+    used; the last few chunks of small reads (a blob's zip directory and pickle) are kept. `rec` None: a
+    plain DCP file, nothing to check."""
+
+    KEPT = 4
+
+    def __init__(self, f: Any, rec: dict[str, Any] | None, name: str) -> None:
         self.f = f
-        self.chunk = int(rec["chunk"])
-        self.crcs = rec["crc32"]
-        self.size = int(rec["size"])
+        self.chunk = int(rec["chunk"]) if rec is not None else 0
+        self.crcs = listed_crcs(rec) if rec is not None else None
+        self.size = int(rec["size"]) if rec is not None else 0
         self.name = name
         self.verified: set[int] = set()
+        self.kept: dict[int, bytes] = {}
 
-    def read(self, offset: int, length: int) -> memoryview:
-        """Bytes [offset, offset+length), every chunk they touch verified."""
+    def bounds(self, a: int, b: int) -> tuple[int, int]:
+        """What to read for bytes [a, b): the whole chunks they touch."""
+        if self.crcs is None:
+            return a, b
         chunk = self.chunk
-        first = offset // chunk
-        last = (offset + length - 1) // chunk if length else first
-        start, stop = first * chunk, min((last + 1) * chunk, self.size)
-        self.f.seek(start)
-        buf = bytearray(stop - start)
-        view = memoryview(buf)
+        last = (b - 1) // chunk if b > a else a // chunk
+        return a // chunk * chunk, min((last + 1) * chunk, self.size)
+
+    def _fill(self, view: memoryview) -> None:
         got = 0
-        while got < len(buf):
+        while got < len(view):
             n = self.f.readinto(view[got:])
             if not n:
                 raise _Corrupt(f"{self.name} is shorter than the manifest says")
             got += n
-        for k in range(first, last + 1):
-            if k in self.verified:
-                continue
-            a = (k - first) * chunk
-            piece = view[a : min(a + chunk, len(buf))]
-            if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
-                raise _Corrupt(
-                    f"{self.name}: chunk {k} (bytes {k * chunk}-{k * chunk + len(piece)}) fails its checksum"
-                )
-            self.verified.add(k)
-        return view[offset - start : offset - start + length]
+
+    def _check(self, k: int, piece: Any) -> None:
+        assert self.crcs is not None
+        if k >= len(self.crcs) or zlib.crc32(piece) != self.crcs[k]:
+            start = k * self.chunk
+            msg = f"{self.name}: chunk {k} (bytes {start}-{start + len(piece)}) fails its checksum"
+            raise _Corrupt(msg)
+        self.verified.add(k)
+
+    def read(self, start: int, stop: int, buf: bytearray) -> memoryview:
+        """Bytes [start, stop) (chunk bounds) read into `buf`, every chunk among them verified."""
+        self.f.seek(start)
+        view = memoryview(buf)[: stop - start]
+        self._fill(view)
+        if self.crcs is not None:
+            chunk = self.chunk
+            for k in range(start // chunk, (stop + chunk - 1) // chunk):
+                if k not in self.verified:
+                    a = k * chunk - start
+                    self._check(k, view[a : min(a + chunk, len(view))])
+        return view
+
+    def _one(self, k: int) -> bytes:
+        got = self.kept.pop(k, None)
+        if got is None:
+            start = k * self.chunk
+            data = bytearray(min(self.chunk, self.size - start))
+            self.f.seek(start)
+            self._fill(memoryview(data))
+            self._check(k, data)
+            got = bytes(data)
+        self.kept[k] = got  # the most recent last
+        while len(self.kept) > self.KEPT:
+            del self.kept[next(iter(self.kept))]
+        return got
+
+    def small(self, a: int, b: int) -> Any:
+        """Bytes [a, b) of the file, verified (for reads of a few bytes: whole chunks are kept)."""
+        if self.crcs is None:
+            self.f.seek(a)
+            data = bytearray(b - a)
+            self._fill(memoryview(data))
+            return data
+        if b <= a:
+            return b""
+        chunk = self.chunk
+        first, last = a // chunk, (b - 1) // chunk
+        if first == last:
+            return memoryview(self._one(first))[a - first * chunk : b - first * chunk]
+        joined = b"".join(self._one(k) for k in range(first, last + 1))
+        return memoryview(joined)[a - first * chunk : b - first * chunk]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -521,20 +646,6 @@ def _load_metadata(raw: bytes, trusted: bool, where: Any) -> Metadata:
     except pickle.UnpicklingError as exc:
         msg = f"{where}: {exc}; pass trusted=True only if you trust this checkpoint"
         raise _UntrustedMetadata(msg) from exc
-
-
-def _staging(sd: Any) -> Any:
-    """A copy of `sd` to read into: DTensors and tensors as empty ones of the same layout, the rest kept."""
-    if isinstance(sd, dict):
-        return {k: _staging(v) for k, v in sd.items()}
-    if isinstance(sd, DTensor):
-        local = torch.empty_like(sd._local_tensor)
-        return DTensor.from_local(
-            local, sd.device_mesh, sd.placements, run_check=False, shape=sd.shape, stride=sd.stride()
-        )
-    if isinstance(sd, torch.Tensor):
-        return torch.empty_like(sd)
-    return sd
 
 
 @attrs.frozen
@@ -585,7 +696,9 @@ def load_sharded(
     comm = g.comm
     op = "load"
     layout, ranks = group_layout(comm, mesh_of(state, "sync"), op)
-    record, _ = shard_record(state, config, layout, ranks[g.rank], "sync")
+    record, synced = shard_record(state, config, layout, ranks[g.rank], "sync")
+    # the same walk serves the read when the fields agree and no optimizer needs its state allocated
+    walked = synced if walks_alike(state) and all(has for _, has in record.stateful) else None
     try:
         if is_plain_dcp(options.root, options.storage):
             seen: tuple[_Seen, ...] = (_Seen(str(options.root), None, 0, 0, plain=True),)
@@ -616,13 +729,14 @@ def load_sharded(
             and not exceeds(cand.tenure, memory.tenure, f"checkpoint {cand.path}", "the in-memory state", op)
         ):
             break
-        verdict, stage = _read_into_staging(state, options, cand)
+        verdict, planner = _read_into_staging(state, options, cand, walked)
+        walked = None  # the planner wrote into it: a next candidate walks afresh
         verdicts = g.gather(verdict, "load-read")
         bad = [(r, v) for r, v in enumerate(verdicts) if v.kind != "ok"]
         if not bad:
             set_lineage(state, token=None, torn=True)  # until every rank has applied it
             try:
-                apply_sharded(state, stage, "save")
+                apply_sharded(state, cast(_LoadPlanner, planner).commit(), "save")
                 failed = None
             except Exception as exc:
                 failed = f"{type(exc).__name__}: {exc}"
@@ -672,8 +786,11 @@ def _memory_version(records: Sequence[ShardRecord], layout: Any, ranks: Sequence
         return None
 
 
-def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_Verdict, Any]:
-    """Read this rank's pieces of `cand` into a staging copy of the state's sharded state dict."""
+def _read_into_staging(
+    state: Any, options: LoadOptions, cand: _Seen, walked: dict[str, Any] | None
+) -> tuple[_Verdict, _LoadPlanner | None]:
+    """Read this rank's pieces of `cand` into staging tensors (the planner's: its `commit` applies them);
+    `walked`: the state's `sharded_state_dict` if already made (a fresh one is made otherwise)."""
     storage = options.storage
     directory = storage.result(cand.path)
     try:
@@ -682,21 +799,21 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
         if manifest is not None and (rec is None or "crc32" not in rec):
             return _Verdict("corrupt", f"{METADATA} is not listed in the manifest"), None
         with storage.open_read(storage.join(directory, METADATA)) as f:
-            raw = f.read() if rec is None else bytes(_Verifier(f, rec, METADATA).read(0, rec["size"]))
+            if rec is None:
+                raw = f.read()
+            else:
+                raw = bytes(_Chunks(f, rec, METADATA).read(0, rec["size"], bytearray(rec["size"])))
         md = _load_metadata(raw, options.trusted, cand.path)
-        live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
-        stage = _staging(live)
+        if walked is not None:
+            live = walked
+        else:
+            live = sharded_state_dict(state, "save", init_optimizers=_has_optimizer_state(md))
         planner = _LoadPlanner(options.trusted, options.strict)
-        planner.set_up_planner(stage, md, False)
+        planner.set_up_planner(live, md, False)
         try:
             plan = planner.finish_plan(planner.create_local_plan())
         except Exception as exc:
             return _Verdict("mismatch", f"{cand.path} does not match the state: {exc}"), None
-        if not options.strict:  # what the checkpoint lacks keeps its current value, not the staging's
-            saved = set(md.state_dict_metadata)
-            for key, where in planner.mappings.items():
-                if key not in saved:
-                    set_element(stage, where, get_element(live, where))
         _read_pieces(storage, directory, manifest, plan, planner, md)
         if planner.refused:
             return _Verdict(
@@ -704,7 +821,7 @@ def _read_into_staging(state: Any, options: LoadOptions, cand: _Seen) -> tuple[_
                 f"{cand.path} holds pickled objects in {planner.refused[:5]}; pass trusted=True only "
                 "for checkpoints you trust",
             ), None
-        return _Verdict(), planner.original_state_dict
+        return _Verdict(), planner
     except _UntrustedMetadata as exc:
         return _Verdict("untrusted", str(exc)), None
     except _Corrupt as exc:

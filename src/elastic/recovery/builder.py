@@ -7,8 +7,10 @@ generations: at the start of each one the previous state's pieces are held (`ela
 FSDP2 modules resharded first, in case a failure struck between an all-gather and its reshard), the old
 state is dropped, ``build(world)`` makes the new one on ``world.mesh`` and it is filled from the held
 pieces, every byte moved at most once, never through a disk. Sources, in order: live pieces at their
-tenure, then ``ckpt``, then a fresh sync (a first generation where nobody holds anything). A generation that
-fails while filling keeps the held pieces for the next one: nothing half-filled is ever trained on.
+tenure, then in-memory snapshots (``snapshot_every=k``: `elastic.replication.snapshot`), then ``ckpt``, then
+a fresh sync (a first generation where nobody holds anything); nobody holding a whole version and no
+``ckpt``: the `SyncError` naming what is missing. A generation that fails while filling keeps the held
+pieces and snapshots for the next one: nothing half-filled is ever trained on.
 
 FSDP2 binds its modules to the generation's process groups, so the state is rebuilt in every generation,
 also when the mesh shape stays (then each rank's pieces are mostly its own: local copies).
@@ -25,14 +27,15 @@ from typing import Any
 import attrs
 import torch
 
-from elastic._util.errors import SyncError
+from elastic._util.errors import ElasticError, SyncError
 from elastic.checkpoint.saveload import load
 from elastic.replication.collective import Collective
 from elastic.replication.reshard import Held, hold, reshard
+from elastic.replication.snapshot import Snapshots, ring_peers
 from elastic.replication.sync import sync, tenure
 from elastic.state.config import config_of, is_elastic_state
 from elastic.state.lineage import lineage
-from elastic.state.shards import is_sharded
+from elastic.state.shards import is_sharded, layout_of
 
 __all__ = ["Built", "MeshPlan"]
 
@@ -125,19 +128,33 @@ class Built:
     plan: MeshPlan
     ckpt: Any
     timeout: timedelta
+    snapshot_every: int | None = None
     state: Any = None
     held: Held | None = None
+    #: the generation whose mesh `state` (and so `held`) was built on
+    layout: int = 0
+    snapshots: Snapshots = attrs.field(factory=Snapshots)
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = False) -> None:
         """The generation is over: keep the state's pieces and drop the state itself, so that nothing
         holds the generation's process groups (FSDP2 keeps its own references to them): their sockets
-        close when the group is destroyed, and a peer still blocked on this rank fails at once."""
+        close when the group is destroyed, and a peer still blocked on this rank fails at once. A
+        snapshot in flight is waited for when the generation ended by agreement (`wait`), else
+        abandoned."""
+        self.snapshots.close(wait=wait)
         old = self.state
         if old is not None and not lineage(old).torn:
             _reshard_fsdp(old)
-            self.held = hold(old, tenure(old))
+            self.held = hold(old, tenure(old), self.layout)
         self.state = old = None
         _forget_meshes()  # torch's DTensor caches hold the mesh, and it the groups
+
+    def snapshot(self) -> None:
+        """Every `snapshot_every`-th ``world.check()``: a snapshot of the state (`Snapshots.take`)."""
+        if self.state is not None:
+            _reshard_fsdp(self.state)  # an FSDP2 module left unsharded (reshard_after_forward=False) holds
+            # whole parameters: its shards are what the snapshot copies
+            self.snapshots.take(self.state, tenure(self.state))  # torn: None, the round withheld
 
     def start(self, world: Any) -> tuple[int, Any]:
         """The generation's mesh, the new state and its filling. (source rank, tenure)"""
@@ -163,14 +180,25 @@ class Built:
             )
             raise TypeError(msg)
         group = Collective.of(None, self.timeout, "run")
-        holds = group.gather(self.held is not None and self.held.tenure is not None, "run-held")
+        offers = [h for h in [self.held, *self.snapshots.held()] if h is not None and h.tenure is not None]
+        records = group.gather((bool(offers), self.snapshot_every), "run-held")
+        mismatch = snapshot_every_mismatch([every for _, every in records])
+        if mismatch is not None:
+            raise ElasticError(mismatch)
+        holds = [held for held, _ in records]
         src, value = 0, None
-        filled = False
+        filled = from_snapshot = False
         if any(holds):
             try:
-                value, moved, src = reshard(new, self.held, group)
+                value, moved, src, from_snapshot = reshard(new, offers, group)
                 filled = True
-                log.info("run: filled the %s mesh from memory (%d bytes received here)", shape, moved)
+                log.info(
+                    "run: filled the %s mesh from %s at tenure %r (%d bytes received here)",
+                    shape,
+                    "snapshots" if from_snapshot else "live pieces",
+                    value,
+                    moved,
+                )
             except SyncError as exc:
                 if self.ckpt is None:
                     raise
@@ -182,8 +210,32 @@ class Built:
             else:
                 sync_report = sync(new, timeout=self.timeout)
                 src, value = sync_report.src, sync_report.tenure
-        self.state, self.held = new, None
+        self.snapshots.settle(value, from_snapshot)
+        self.state, self.held, self.layout = new, None, world.generation
+        if self.snapshot_every is not None:
+            import torch.distributed as dist
+
+            me = dist.get_rank()
+            peers = ring_peers(layout_of(world.mesh), me)  # None alike on every rank: one shard position
+            # the ring's own group (gloo: snapshots live in CPU memory), created by every rank in order
+            ring = dist.new_group(backend="gloo", timeout=self.timeout) if peers is not None else None
+            self.snapshots.open(ring, me, peers, world.generation, self.timeout)
         return src, value
+
+
+def snapshot_every_mismatch(values: list[int | None]) -> str | None:
+    """What is wrong when the ranks of a generation were given different ``snapshot_every`` (each rank's
+    value, in rank order), else None: the snapshot ring needs every rank, and every rank alike."""
+    if len(set(values)) < 2:
+        return None
+    by_value: dict[int | None, list[int]] = {}
+    for rank, every in enumerate(values):
+        by_value.setdefault(every, []).append(rank)
+    seen = "; ".join(f"ranks {ranks}: snapshot_every={every!r}" for every, ranks in by_value.items())
+    return (
+        f"elastic.run: the workers were given different snapshot_every ({seen}); pass the same "
+        "snapshot_every to elastic.run on every worker"
+    )
 
 
 def dist_backend() -> str:

@@ -137,6 +137,8 @@ class World:
         self._note = note
         self._calls = 0
         self._store_warned = False
+        #: (k, take): a builder's snapshot, taken at every k-th check (`elastic.replication.snapshot`)
+        self._snapshot: tuple[int, Callable[[], None]] | None = None
         self._busy: list[str] = []  # the open `busy` blocks, innermost last
 
     def __repr__(self) -> str:
@@ -183,13 +185,17 @@ class World:
         Every `check_every`-th call all-reduces one small flag ("a participant waits to join, or a member
         leaves"); when it is set, every rank leaves ``fn`` at this same call (the call raises an internal
         exception that `run` catches; do not catch ``BaseException`` around it). The other calls only
-        record progress (a rank that makes none for `timeout` counts as hung).
+        record progress (a rank that makes none for `timeout` counts as hung). With ``run(...,
+        snapshot_every=k)``, every k-th call first copies this rank's pieces to CPU memory and sends them
+        to a peer in the background (see `run`).
 
         Raises:
             RuntimeError: the flag's all-reduce failed (a peer died or hung): `run` catches it and regroups.
         """
         self._rdzv.progress()
         self._calls += 1
+        if self._snapshot is not None and self._calls % self._snapshot[0] == 0:
+            self._snapshot[1]()
         if self._calls % self._check_every:
             return
         leaving = self._leave_requested()
@@ -774,6 +780,7 @@ def run(
     check_every: int = 1,
     mesh: Callable[[int], tuple[int, ...]] | None = None,
     mesh_dim_names: tuple[str, ...] | None = None,
+    snapshot_every: int | None = None,
 ) -> Any:
     """Run ``fn(state, world)`` in generations that survive failures; call it in every worker process.
 
@@ -810,8 +817,10 @@ def run(
       shape's product wait as spares and are admitted first at the next change), ``build(world)`` makes
       the state on it (meta device, ``fully_shard``, ``to_empty``), and the state is filled in memory from
       the previous generation's pieces (the survivors', resharded onto the new mesh, every byte moved at
-      most once, no disk), else from `ckpt`, else synced (a first generation). A generation that fails
-      while filling keeps the pieces for the next one.
+      most once, no disk), else from the newest snapshot held whole (``snapshot_every``), else from
+      `ckpt`, else synced (a first generation); when nothing holds a whole version and there is no
+      `ckpt`, every rank raises the `SyncError` naming what is missing. A generation that fails while
+      filling keeps the pieces and snapshots for the next one.
 
     Args:
         fn: ``fn(state, world)``, called once per generation; its value is returned.
@@ -832,6 +841,16 @@ def run(
             default ``(n,)``).
         mesh_dim_names: the mesh's dimension names (default ``("shard",)`` for 1-D, ``("replicate",
             "shard")`` for 2-D; required beyond).
+        snapshot_every: with a builder, every how many ``world.check()`` calls (counted per generation)
+            each rank copies its pieces to CPU memory and sends a copy to one peer outside its replica set
+            (a ring over shard positions), in a background thread on a gloo group of its own: only the
+            device-to-host copy blocks the step. A worker lost from a mesh without replicas then costs at
+            most `snapshot_every` steps: the survivors' snapshots and their copies of the lost worker's
+            pieces form the state at the newest snapshot held whole, resharded with no disk read. Each
+            rank keeps at most two snapshots (the newest complete one and the one in flight), each its
+            own pieces plus one peer's copy: about twice its share of the state's tensors in CPU memory
+            at rest, four times while one is in flight. None (default): no snapshots. Replicated states
+            (passed as a state) take none: every rank already holds all of it.
 
     Returns:
         fn's value; None after a planned departure, or at once when the run had already finished (fn
@@ -842,16 +861,27 @@ def run(
             `timeout`; the ranks were in different operations (the script's bug); too many generations
             failed in a row before a step completed.
         TypeError: `fn` is not callable, `state` is neither an ``@elastic_state`` instance nor a builder,
-            ``build(world)`` returned no sharded state, or `mesh` was given with a state.
-        ValueError: a worker count or `check_every` out of range, or an empty `run_id`.
+            ``build(world)`` returned no sharded state, `mesh` or `snapshot_every` was given with a state,
+            or `snapshot_every` is not an int.
+        ValueError: a worker count, `check_every` or `snapshot_every` out of range, or an empty `run_id`.
     """
     _check_args(fn, min_workers, max_workers, first_workers, check_every, run_id)
+    if snapshot_every is not None and (
+        not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool)
+    ):
+        msg = f"elastic.run(snapshot_every=...) must be an int >= 1 or None, got {snapshot_every!r}"
+        raise TypeError(msg)
+    _check_count("snapshot_every", 1 if snapshot_every is None else snapshot_every, 1)
     release_connections_in_forked_children()
     built: Built | None = None
     if callable(state) and not is_elastic_state(state):  # a builder: a sharded state on each mesh
         plan = MeshPlan(mesh if mesh is not None else (lambda n: (n,)), mesh_dim_names)
         built = Built(
-            build=state, plan=plan, ckpt=ckpt, timeout=as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
+            build=state,
+            plan=plan,
+            ckpt=ckpt,
+            timeout=as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT,
+            snapshot_every=snapshot_every,
         )
         _import_sharded()
     else:
@@ -860,6 +890,15 @@ def run(
             msg = (
                 "elastic.run(fn, state, mesh=...): a mesh needs a builder, run(fn, build, mesh=...), where "
                 "build(world) makes the sharded state on world.mesh"
+            )
+            raise TypeError(msg)
+        if snapshot_every is not None:
+            msg = (
+                f"elastic.run(fn, state, snapshot_every={snapshot_every}): snapshots are for sharded states, "
+                "run(fn, build, mesh=..., snapshot_every=k), where build(world) makes the state on "
+                "world.mesh; "
+                "a replicated state needs none (every rank holds all of it, and a lost worker costs at most "
+                "the step in flight): drop snapshot_every"
             )
             raise TypeError(msg)
     if dist.is_initialized():
@@ -1026,6 +1065,8 @@ class _Loop:
             if self.built is not None:
                 src, started_at = self.built.start(live.world)
                 self.state = self.built.state
+                if self.built.snapshot_every is not None:
+                    live.world._snapshot = (self.built.snapshot_every, self.built.snapshot)
             else:
                 src, started_at = _start(self.state, self.ckpt, self.timeout)
             clear_grads(self.state)
@@ -1043,7 +1084,7 @@ class _Loop:
         except _EndGeneration as end:
             self.ended_at = time.monotonic()
             _strip(end)  # first: its frames hold the state's objects
-            self._release_state()
+            self._release_state(wait=True)
             live.release()
             if not end.leaving:
                 _announce(self.rendezvous)
@@ -1060,17 +1101,20 @@ class _Loop:
             self._release_state()
             live.release()
             return self.failed(exc, live, gen, membership, started_at)
+        if self.built is not None:
+            self.built.snapshots.close(wait=True)  # every rank ends alike: the round in flight completes
         live.release()
         self.rendezvous.finish()
         live.end(abort=False)
         return result
 
-    def _release_state(self) -> None:
-        """A builder's state: its pieces kept, the state (and its hold on the groups) dropped."""
+    def _release_state(self, *, wait: bool = False) -> None:
+        """A builder's state: its pieces kept, the state (and its hold on the groups) dropped; `wait`: for
+        the snapshot in flight (the generation ended by agreement)."""
         if self.built is not None:
             self.state = None  # first: `release` collects the state once nothing else holds it
             try:
-                self.built.release()
+                self.built.release(wait=wait)
             except Exception as exc:  # the next generation reads what is left (or ckpt)
                 log.warning("run: keeping the pieces of the ended generation failed: %s", exc)
                 self.built.state = None

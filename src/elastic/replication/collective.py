@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
-from elastic.replication.comm import Comm
+from elastic.replication.comm import INLINE_BYTES, Comm
 
 __all__ = ["Collective", "error_field", "raise_first"]
 
@@ -59,12 +59,22 @@ class Collective:
         """Whether there is nobody else to talk to (no process group, or a world of one)."""
         return self.comm is None
 
-    def gather(self, record: T, phase: str) -> list[T]:
-        """Every rank's `record` in rank order (cloudpickled: the records of trusted peers)."""
+    def gather(self, record: T, phase: str, inline: int = INLINE_BYTES) -> list[T]:
+        """Every rank's `record` in rank order (cloudpickled: the records of trusted peers); one collective
+        when every record pickles to less than `inline` bytes (the same on every rank), else two."""
         if self.comm is None:
             return [record]
-        rows = self.comm.all_gather_bytes(cloudpickle.dumps(record), phase)
+        rows = self.comm.all_gather_bytes(cloudpickle.dumps(record), phase, inline)
         return [cloudpickle.loads(r) for r in rows]
+
+    def errors(self, error: T | None, phase: str) -> list[T | None]:
+        """Every rank's `error` (None: it succeeded) in rank order: one all-reduce when every rank
+        succeeded, the gather of the errors after it otherwise."""
+        if self.comm is None:
+            return [error]
+        if not self.comm.any_rank(error is not None, phase):
+            return [None] * self.world
+        return self.gather(error, phase)
 
     def gather_checked(
         self,

@@ -141,11 +141,12 @@ class Comm:
             raise self.failure(phase, exc) from exc
 
     # -----------------------------------------------------------------------------------------------
-    def all_gather_bytes(self, data: bytes, phase: str) -> list[bytes]:
-        """Every rank's `data`, in rank order: one collective when each record fits in `INLINE_BYTES`."""
+    def all_gather_bytes(self, data: bytes, phase: str, inline: int = INLINE_BYTES) -> list[bytes]:
+        """Every rank's `data`, in rank order: one collective when each record fits in `inline` bytes (the
+        same on every rank), else a second one."""
         fault_point(phase, self.rank)
-        room = INLINE_BYTES - 8
-        first = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+        room = inline - 8
+        first = torch.zeros(inline, dtype=torch.uint8)
         first[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
         if len(data) <= room and data:
             first[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -164,6 +165,13 @@ class Comm:
         out2 = [torch.empty_like(second) for _ in range(self.world_size)]
         self.run(phase, dist.all_gather, out2, second)
         return [tensor_bytes(t)[:n] for t, n in zip(out2, sizes)]
+
+    def any_rank(self, flag: bool, phase: str) -> bool:
+        """Whether `flag` is true on any rank (one all-reduce); the same answer on every rank."""
+        fault_point(phase, self.rank)
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        self.run(phase, dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def broadcast_bytes(self, data: bytes | None, src: int, phase: str) -> bytes:
         """`data` from group rank `src` to every rank (size first, then the bytes)."""

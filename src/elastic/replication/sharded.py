@@ -1,14 +1,15 @@
 """`sync` of sharded states (FSDP2, DTensor, HSDP): complete versions and replica sets.
 
 A sharded state at tenure t is *complete* when every shard position of its mesh has an untorn holder at
-tenure t (`elastic.state.shards`). The election picks the most tenured complete version (`elect_version`);
-the lowest rank holding it sends the state's non-DTensor leaves (plain tensors, counters, hyperparameters)
-in one cloudpickle payload, and inside every replica set whose members do not all hold that version, its
-lowest member at that version broadcasts its pieces to the others over the set's process group (the mesh's
-``"replicate"`` dimension), straight into the receivers' local tensors. Replica sets that agree move
-nothing; when every rank holds the same version and lineage nothing moves at all (the fast path). No
-complete version: every rank raises the same `SyncError` naming the shard positions nobody holds.
-"""
+tenure t (`elastic.state.shards`). The election picks the most tenured complete version (`elect_version`).
+One all-gather then carries what each rank brings (`_Ready`): the lowest rank holding the version sends
+the state's non-DTensor leaves (plain tensors, counters, hyperparameters) in one cloudpickle payload, and
+inside every replica set whose members do not all hold that version, its lowest member at that version
+sends its transport's plan. That member then moves its pieces to the others over the set's process group
+(the mesh's ``"replicate"`` dimension) by the sync's transport (by default through shared memory when the
+set's ranks share a host, else by broadcasts), straight into the receivers' local tensors. Replica sets
+that agree move nothing; when every rank holds the same version and lineage nothing moves at all (the fast
+path). No complete version: every rank raises the same `SyncError` naming the shard positions nobody holds."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -28,10 +29,14 @@ from elastic._util.errors import StateMismatchError, SyncError
 from elastic._util.words import ranks_str
 from elastic.replication.collective import Collective, raise_first
 from elastic.replication.comm import Comm, fault_point
+from elastic.replication.transport.default import default_transport
+from elastic.replication.transport.protocol import Transport
 from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.nodes import Which, path_str
+from elastic.state.nodes import Kind, Which, kind_of, path_str
 from elastic.state.shards import (
+    KEEP,
+    PIECE,
     REPLICATE,
     Layout,
     Piece,
@@ -43,6 +48,7 @@ from elastic.state.shards import (
     plain_leaves,
     sharded_state_dict,
 )
+from elastic.state.tensors import TensorMeta
 from elastic.state.tenure import current, elect, greater, order_key
 
 __all__ = [
@@ -57,11 +63,6 @@ __all__ = [
 
 log = logging.getLogger("elastic")
 
-#: Pieces smaller than this travel coalesced into buckets of at most `BUCKET` bytes; larger ones go
-#: straight into their storage.
-SMALL = 1 << 20
-BUCKET = 16 << 20
-
 
 @attrs.frozen
 class ShardRecord:
@@ -75,8 +76,9 @@ class ShardRecord:
     #: per optimizer key path: whether this rank's optimizer has state
     stateful: tuple[tuple[Any, bool], ...] = ()
     nbytes: int = 0
-    #: a digest of the sorted key paths of this rank's pieces: when a receiver's equals its source's,
-    #: both walk the same pieces in sorted order and no list of pieces needs to be exchanged
+    #: a digest of the sorted key paths of this rank's pieces with their local shapes and dtypes: when a
+    #: receiver's equals its source's, both walk the same pieces in sorted order and no list of pieces
+    #: (or their metadata) needs to be exchanged
     pieces: str = ""
     src: int | None = None
     error: tuple[str, str] | None = None
@@ -97,12 +99,12 @@ def group_layout(comm: Comm | None, mesh: Any, op: str) -> tuple[Layout, list[in
     return layout, ranks
 
 
-def _schema(state: Any, sd: dict[str, Any], own: Sequence[Piece], layout: Layout) -> Any:
+def _schema(state: Any, sd: dict[str, Any], own: Sequence[Piece], keys: Sequence[str], layout: Layout) -> Any:
     """What must agree before anything moves: the class, the mesh and every model piece's key, global
     shape, dtype and placements (optimizer states are allocated by receivers that lack them)."""
     rows = tuple(
-        (path_str(p.path), tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
-        for p in own
+        (key, tuple(p.tensor.shape), str(p.tensor.dtype), str(p.tensor.placements))
+        for p, key in zip(own, keys)
         if not _in_optimizer_state(sd, p.path)
     )
     return (type(state).__qualname__, tuple(sd), layout.shape, layout.names, rows)
@@ -132,26 +134,35 @@ def shard_record(
     state: Any, config: StateConfig, layout: Layout, me: int, which: Which = "sync"
 ) -> tuple[ShardRecord, dict[str, Any]]:
     """This rank's election record (global rank `me`), and the sharded state dict it was taken from."""
+    record, sd, _ = _shard_record(state, config, layout, me, which)
+    return record, sd
+
+
+def _shard_record(
+    state: Any, config: StateConfig, layout: Layout, me: int, which: Which
+) -> tuple[ShardRecord, dict[str, Any], dict[str, Piece]]:
+    """`shard_record`, and the pieces of the state dict by key."""
     line = lineage(state)
     try:
         tenure = current(state, config, line)
         sd = sharded_state_dict(state, which)
         own = pieces(sd)
+        keys = [path_str(p.path) for p in own]
         _check_replicated_on_replicate(own, layout)
         record = ShardRecord(
             tenure=tenure,
             torn=line.torn,
             token=line.token,
-            schema=_schema(state, sd, own, layout),
+            schema=_schema(state, sd, own, keys, layout),
             position=layout.position[me],
             stateful=tuple(_optimizers(sd)),
             nbytes=sum(p.local.numel() * p.local.element_size() for p in own),
-            pieces=_paths_digest(own),
+            pieces=_paths_digest(own, keys),
         )
         cloudpickle.dumps(tenure)
     except Exception as exc:
-        return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}
-    return record, sd
+        return ShardRecord(error=("prepare", f"{type(exc).__name__}: {exc}")), {}, {}
+    return record, sd, dict(zip(keys, own))
 
 
 def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None:
@@ -170,8 +181,8 @@ def _check_replicated_on_replicate(own: Sequence[Piece], layout: Layout) -> None
             raise ValueError(msg)
 
 
-def _paths_digest(own: Sequence[Piece]) -> str:
-    text = "\n".join(sorted(path_str(p.path) for p in own))
+def _paths_digest(own: Sequence[Piece], keys: Sequence[str]) -> str:
+    text = "\n".join(sorted(f"{key} {tuple(p.local.shape)} {p.local.dtype}" for p, key in zip(own, keys)))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
@@ -278,72 +289,83 @@ def _identical(records: Sequence[ShardRecord]) -> bool:
 # Moving pieces
 
 
-def _broadcast_pieces(comm: Comm, local: list[torch.Tensor], src: int, group: Any, receive: bool) -> int:
-    """Broadcast `local` (this rank's pieces) from global rank `src` inside `group`, in place on
-    receivers; small pieces coalesced into buckets. Every broadcast is issued before the first is waited
-    for (gloo and NCCL run them back to back; waiting for each costs a round trip per piece); at most two
-    buckets are in flight. Returns the bytes moved."""
-    phase = "pieces"
-    fault_point(phase, comm.rank)
-    moved = 0
-    small: list[torch.Tensor] = []
-    inflight: list[tuple[Any, Callable[[], None]]] = []  # (work, what to do once it is done)
-    buckets = 0
-
-    def settle(keep: int) -> None:
-        while len(inflight) > keep:
-            work, then = inflight.pop(0)
-            comm.wait(work, phase)
-            then()
-
-    def flush() -> None:
-        nonlocal moved, buckets
-        if not small:
-            return
-        members = list(small)
-        small.clear()
-        flat = [t.reshape(-1).view(torch.uint8) for t in members]
-        n = sum(f.numel() for f in flat)
-        buf = torch.cat(flat) if not receive else torch.empty(n, dtype=torch.uint8, device=members[0].device)
-
-        def unpack() -> None:
-            if receive:
-                at = 0
-                for t, f in zip(members, flat):
-                    k = f.numel()
-                    t.copy_(buf[at : at + k].view(t.dtype).view(t.shape))
-                    at += k
-
-        inflight.append((dist.broadcast(buf, src=src, group=group, async_op=True), unpack))
-        moved += n
-        buckets += 1
-        if buckets >= 2:  # bound the buckets' memory: wait for all but the newest
-            settle(1)
-            buckets = 1
-
-    size = 0
-    for t in local:
-        n = t.numel() * t.element_size()
-        if n == 0:
-            continue
-        if n < SMALL and t.is_contiguous():
-            small.append(t)
-            size += n
-            if size >= BUCKET:
-                flush()
-                size = 0
-            continue
-        target = t if t.is_contiguous() else t.contiguous()
-        copy_back = (lambda t=t, target=target: t.copy_(target)) if receive and target is not t else _nothing
-        inflight.append((dist.broadcast(target, src=src, group=group, async_op=True), copy_back))
-        moved += n
-    flush()
-    settle(0)
-    return moved
+#: The exchange after the election takes one all-gather when every rank's `_Ready` pickles to less than
+#: this (the objects of a 42-parameter model and Adam, and the plan of its pieces, ~6 KB).
+READY_BYTES = 16 * 1024
+#: Objects larger than this do not ride in the all-gather (every rank would receive them from every rank):
+#: the sender broadcasts them after it.
+OBJECTS_INLINE = 8 * 1024
 
 
-def _nothing() -> None:
-    return None
+@attrs.frozen
+class _Ready:
+    """What each rank brings to the exchange after the election: the sender its objects (cloudpickled), a
+    set source whose set receives its transport's plan, with its order of pieces and their metadata unless
+    every receiver holds its source's pieces (`aligned`), and any rank whatever kept it from preparing."""
+
+    objects: bytes | None = None
+    #: whether the sender broadcasts its objects after the all-gather (more than `OBJECTS_INLINE` bytes)
+    broadcast: bool = False
+    plan: Any = None
+    order: tuple[str, ...] | None = None
+    metas: tuple[TensorMeta, ...] | None = None
+    error: str | None = None
+
+
+def _metas(chosen: Sequence[Piece]) -> list[TensorMeta]:
+    """The transports' metadata of a rank's local pieces (each its own carrier)."""
+    return [
+        TensorMeta(p.path, tuple(t.shape), t.dtype, t.device.type, t.stride())
+        for p in chosen
+        for t in (p.local,)
+    ]
+
+
+def _targets(
+    mine: dict[str, Piece], order: Sequence[str], metas: Sequence[TensorMeta]
+) -> tuple[list[torch.Tensor], str | None]:
+    """A receiver's local tensors for the source's pieces (`order`, `metas`), and why it cannot take them
+    all: a piece it lacks or holds otherwise gets a scratch tensor, so the transfer stays in step."""
+    out: list[torch.Tensor] = []
+    wrong: list[str] = []
+    for key, meta in zip(order, metas):
+        piece = mine.get(key)
+        local = piece.local if piece is not None else None
+        if local is None or tuple(local.shape) != meta.shape or local.dtype != meta.dtype:
+            wrong.append(key)
+            local = torch.empty(meta.shape, dtype=meta.dtype, device=meta.device_type)
+        out.append(local)
+    if not wrong:
+        return out, None
+    return out, (
+        f"this rank lacks (or holds with another local shape or dtype) the pieces {wrong[:3]} its replica "
+        "set's source holds"
+    )
+
+
+def _move_pieces(
+    comm: Comm,
+    rep: Comm,
+    transport: Transport,
+    src: int,
+    tensors: list[torch.Tensor],
+    metas: list[TensorMeta],
+    plan: Any,
+    receive: bool,
+) -> list[str]:
+    """The pieces of one replica set from its source (group rank `src` of the set's `rep`) by `transport`,
+    in place on receivers. Returns the local failures (the transport went on with the others)."""
+    fault_point("pieces", comm.rank)
+    failures: list[str] = []
+
+    def failed(exc: BaseException) -> None:
+        failures.append(f"{type(exc).__name__}: {exc}")
+
+    if receive:
+        transport.receive(rep, src, tensors, metas, plan, failed)
+    else:
+        transport.send(rep, src, tensors, metas, plan, failed)
+    return failures
 
 
 def sync_sharded(
@@ -355,16 +377,18 @@ def sync_sharded(
     force: bool,
     op: str,
     started: float,
+    transport: Transport | None = None,
 ) -> tuple[int, Any, int, int]:
     """The sharded sync of `state` in `group` (not solo): (src, tenure, tensor_bytes, object_bytes) for
-    the caller's report, the same on every rank. `started` is when the call began (for the log)."""
+    the caller's report, the same on every rank. `started` is when the call began (for the log); the
+    pieces move by `transport` (None: `default_transport()`) inside each replica set."""
     comm = group.comm
     assert comm is not None  # the caller handles solo groups
     with torch.no_grad():
         mesh = mesh_of(state)
         layout, ranks = group_layout(comm, mesh, op)
         me = ranks[comm.rank]
-        record, sd = shard_record(state, config, layout, me)
+        record, sd, by_key = _shard_record(state, config, layout, me, "sync")
         record = attrs.evolve(record, src=src)
         records = group.gather(record, "elect")
         check_schemas(records, op)
@@ -411,76 +435,92 @@ def sync_sharded(
             for r, rec in enumerate(records)
             if r != version.sources[rec.position] and lags(r)
         )
+        moving = me_pos in receiving_sets
+        chosen = transport if transport is not None else default_transport()
         if applies:  # torn until the whole version is in (a failure below leaves it so)
             set_lineage(state, token=None, torn=True)
         failure: str | None = None
         object_bytes = 0
         token = None
         try:
-            # 1. The objects, from the sender: plain leaves and the new lineage token (or why it has none:
-            #    every rank then skips the pieces alike and raises it).
-            data = None
+            # 1. What each rank brings to the one exchange after the election (`_Ready`). A receiver
+            #    allocates the optimizer state it lacks; a set source plans the transfer of its pieces in
+            #    sorted order (optimizer states are ordered by when each parameter first stepped, which
+            #    differs between ranks).
+            ready = _Ready()
+            mine: dict[str, Piece] = {}
+            own: list[torch.Tensor] = []
+            metas: list[TensorMeta] = []
+            rep: Comm | None = None
+            try:
+                stateful = records[sender].stateful
+                if receiver and any(
+                    theirs and not have for (_, have), (_, theirs) in zip(record.stateful, stateful)
+                ):
+                    sd = sharded_state_dict(state, init_optimizers=True)
+                    by_key = {path_str(p.path): p for p in pieces(sd)}
+                mine = {k: p for k, p in by_key.items() if _needed(p, stateful)}
+                if moving:
+                    rep = Comm(mesh.get_group(REPLICATE), comm.timeout, op)
+                if rep is not None and comm.rank == set_source:
+                    order = sorted(mine)
+                    own = [mine[k].local for k in order]
+                    metas = _metas([mine[k] for k in order])
+                    plan = chosen.plan(own, rep)
+                    ready = (
+                        _Ready(plan=plan)
+                        if aligned
+                        else _Ready(plan=plan, order=tuple(order), metas=tuple(metas))
+                    )
+            except Exception as exc:
+                ready = _Ready(error=f"{type(exc).__name__}: {exc}")
+            objects: bytes | None = None
             if comm.rank == sender:
                 try:
-                    data = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex))
+                    objects = cloudpickle.dumps((plain_leaves(sd), uuid.uuid4().hex))
                 except Exception as exc:
-                    data = cloudpickle.dumps(_Unsent(f"{type(exc).__name__}: {exc}"))
-            payload = comm.broadcast_bytes(data, sender, "objects")
+                    objects = cloudpickle.dumps(_Unsent(f"{type(exc).__name__}: {exc}"))
+                inline = len(objects) <= OBJECTS_INLINE
+                ready = attrs.evolve(ready, objects=objects if inline else None, broadcast=not inline)
+            rows = group.gather(ready, "objects", inline=READY_BYTES)
+            raise_first(
+                rows,
+                lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
+                lambda x: x.error,
+            )
+            payload = rows[sender].objects
+            if rows[sender].broadcast:
+                payload = comm.broadcast_bytes(objects, sender, "objects")
+            assert payload is not None  # the sender sends its objects or why it has none
             object_bytes = len(payload)
             sent = cloudpickle.loads(payload)
             if isinstance(sent, _Unsent):
                 raise RuntimeError(f"the sender (rank {sender}) could not pack its objects: {sent.why}")
             plain, token = sent
-            # 2. Targets, in the set source's order of pieces (optimizer states are ordered by when each
-            #    parameter first stepped, which differs between ranks): a receiver allocates the optimizer
-            #    state it lacks; every rank learns whether every receiver is ready before a piece moves.
-            ready: tuple[tuple[str, ...] | None, str | None] = (None, None)
-            own: list[torch.Tensor] = []
-            try:
-                if receiver and any(
-                    theirs and not mine
-                    for (_, mine), (_, theirs) in zip(record.stateful, records[sender].stateful)
-                ):
-                    sd = sharded_state_dict(state, init_optimizers=True)
-                mine = {path_str(p.path): p for p in pieces(sd) if _needed(p, records[sender].stateful)}
-                ready = (
-                    tuple(sorted(mine)) if comm.rank == set_source and me_pos in receiving_sets else None,
-                    None,
-                )
-            except Exception as exc:
-                ready = (None, f"{type(exc).__name__}: {exc}")
-            lists: list[tuple[tuple[str, ...] | None, str | None]]
-            if aligned:  # every receiver holds its source's pieces: both walk them in sorted order
-                if ready[1] is not None:
-                    raise RuntimeError(ready[1])
-                lists = [(tuple(sorted(mine)), None)] * group.world
-            else:
-                lists = group.gather(ready, "pieces-plan")
-                raise_first(
-                    lists,
-                    lambda r, e: RuntimeError(f"rank {r} could not prepare its pieces: {e}"),
-                    lambda x: x[1],
-                )
-            # 3. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
+            # 2. The pieces, inside each replica set that has a receiver (`elect_version` saw to it that
             #    such a set has a source, so the mesh has a "replicate" dimension).
-            if me_pos in receiving_sets:
-                order = (lists[set_source][0] or ()) if not aligned else lists[0][0] or ()
-                missing = [k for k in order if k not in mine]
-                if missing:
-                    raise RuntimeError(
-                        f"this rank holds no piece {missing[:3]} its replica set's source holds"
-                    )
-                own = [mine[k].local for k in order]
-                rep = mesh.get_group(REPLICATE)
-                _broadcast_pieces(comm, own, ranks[set_source], rep, receive=receiver)
-            # 4. The sender's objects.
+            if rep is not None:
+                theirs = rows[set_source]
+                problem = None
+                if receiver and theirs.order is None:  # aligned: the same pieces, walked in sorted order
+                    order = sorted(mine)
+                    own = [mine[k].local for k in order]
+                    metas = _metas([mine[k] for k in order])
+                elif receiver:
+                    metas = list(theirs.metas or ())
+                    own, problem = _targets(mine, theirs.order or (), metas)
+                at = dist.get_group_rank(rep.group, ranks[set_source])
+                failures = _move_pieces(comm, rep, chosen, at, own, metas, theirs.plan, receive=receiver)
+                if problem is not None or failures:
+                    raise RuntimeError(problem or failures[0])
+            # 3. The sender's objects.
             if applies:
-                apply_sharded(state, merge_plain(sd, plain))
+                apply_sharded(state, _kept_modules(state, sd, plain))
         except SyncError as exc:
             failure = str(exc)
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        outcome = group.gather(failure, "commit")
+        outcome = group.errors(failure, "commit")
 
         def fail(rank: int, error: str) -> SyncError:
             msg = (
@@ -505,6 +545,22 @@ class _Unsent:
     """What a sender that cannot pack its objects sends instead (every rank raises `why`)."""
 
     why: str
+
+
+def _kept_modules(state: Any, sd: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """`sd` merged with the sender's `plain` leaves, with `KEEP` for each module field whose entries are
+    all pieces under this rank's own keys (its own, written in place already: nothing to load)."""
+    out = merge_plain(sd, plain)
+    for name, entry in plain.items():
+        if (
+            isinstance(entry, dict)
+            and all(v is PIECE for v in entry.values())
+            and isinstance(sd.get(name), dict)
+            and set(entry) == set(sd[name])
+            and kind_of(getattr(state, name, None)) == Kind.MODULE
+        ):
+            out[name] = KEEP
+    return out
 
 
 def _needed(piece: Piece, stateful: tuple[tuple[Any, bool], ...]) -> bool:

@@ -476,7 +476,7 @@ def _sync_in(
         return report
     if is_sharded(state):
         sender, tenure_, moved, object_bytes = sync_sharded(
-            state, config, group, src=src, force=force, op=op, started=started
+            state, config, group, src=src, force=force, op=op, started=started, transport=transport
         )
         report = SyncReport(
             src=sender,
@@ -754,18 +754,19 @@ def sync(
     greatest tenure (ties to the lowest rank, None least) is elected unless `src` is given. When every
     rank reports the same tenure and lineage token (the replicas are already identical) nothing else
     moves (the fast path: ``tensor_bytes == 0``). Otherwise the source sends every non-tensor value in
-    one cloudpickle payload, then the tensors without pickling: through a shared-memory ring when every
-    receiver runs on the source's host (the default transport), else by gloo/NCCL broadcasts. A receiver
-    tensor of the same shape, dtype and device is written in place (the optimizer's references to
-    parameters stay valid); missing or differently shaped tensors are allocated from the source's
+    one cloudpickle payload, then the tensors without pickling: when every receiver runs on the source's
+    host, each reads them straight from the source's memory (the default transport; through a
+    shared-memory ring where reading another process is not permitted), else by gloo/NCCL broadcasts. A
+    receiver tensor of the same shape, dtype and device is written in place (the optimizer's references
+    to parameters stay valid); missing or differently shaped tensors are allocated from the source's
     metadata. Modules, optimizers and other stateful objects go through their state dicts. ``on_sync``
     runs on every rank afterwards.
 
     A sharded state (FSDP2, HSDP, DTensor fields; all on one device mesh spanning `group`) syncs by
     versions: the most tenured version held at every shard position wins; inside each replica set (the
-    mesh's ``"replicate"`` dimension) whose members lag, its member holding that version broadcasts its
-    pieces into theirs, in place; replica sets that agree move nothing. No complete version raises
-    `SyncError` naming the missing positions, before anything moves.
+    mesh's ``"replicate"`` dimension) whose members lag, its member holding that version sends its pieces
+    into theirs by the same transports, in place; replica sets that agree move nothing. No complete
+    version raises `SyncError` naming the missing positions, before anything moves.
 
     Without a process group, or with a world of one, it is a local no-op.
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from elastic._util.threads import one_torch_thread
 from elastic.replication.comm import Comm, fault_point
-from elastic.replication.transport.protocol import OnError
+from elastic.replication.transport.protocol import OnError, at_least
 from elastic.state.tensors import TensorMeta
 
 __all__ = [
@@ -495,15 +495,6 @@ class Unpacker:
 # The bucketed broadcast
 
 
-def _at_least(low: int) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            msg = f"BroadcastTransport({attribute.name}=...) must be an int of at least {low}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
-
-
 @attrs.frozen
 class BroadcastTransport:
     """Today's transport: direct broadcasts for large tensors, a few reused buckets for the rest.
@@ -514,10 +505,10 @@ class BroadcastTransport:
     least `ramp_min`. The bucket buffers are shared by every instance (kept between calls, per device).
     """
 
-    bucket_bytes: int = attrs.field(default=BUCKET_BYTES, validator=_at_least(1))
-    direct_bytes: int = attrs.field(default=DIRECT_BYTES, validator=_at_least(0))
-    in_flight: int = attrs.field(default=IN_FLIGHT, validator=_at_least(1))
-    ramp_min: int = attrs.field(default=RAMP_MIN, validator=_at_least(1))
+    bucket_bytes: int = attrs.field(default=BUCKET_BYTES, validator=at_least(1))
+    direct_bytes: int = attrs.field(default=DIRECT_BYTES, validator=at_least(0))
+    in_flight: int = attrs.field(default=IN_FLIGHT, validator=at_least(1))
+    ramp_min: int = attrs.field(default=RAMP_MIN, validator=at_least(1))
 
     def is_direct(self, tensor: torch.Tensor, device: torch.device) -> bool:
         """Whether the source broadcasts `tensor` on its own (see `direct_bytes`)."""

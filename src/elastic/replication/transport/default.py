@@ -1,25 +1,27 @@
 """Which transport `sync` uses when none is given, and the memory the transports keep between calls.
 
-The default is a `SharedMemoryTransport`: through a shared-memory ring when every receiver runs on the
-source's host, by its `BroadcastTransport` fallback otherwise (another host, a CUDA communication device,
-fewer than a megabyte to move). Nothing is created at import: the segment comes with the first transfer
-that uses it.
+The default is a `CrossMemoryTransport`: every receiver reads the source's tensors straight from its
+memory when each may (on the source's host, permitted to); else its `SharedMemoryTransport` fallback,
+through a shared-memory ring when every receiver runs on the source's host; else that one's
+`BroadcastTransport` fallback (another host, a CUDA communication device, fewer than a megabyte to move).
+Nothing is created at import: a shared segment comes with the first transfer that uses it.
 """
 
 from __future__ import annotations
 
 from elastic.replication.transport.broadcast import cached_bytes as bucket_bytes_kept
 from elastic.replication.transport.broadcast import release_buffers as release_buckets
+from elastic.replication.transport.cma import CrossMemoryTransport
 from elastic.replication.transport.protocol import Transport
-from elastic.replication.transport.shm import SharedMemoryTransport, release_shared, shared_cached_bytes
+from elastic.replication.transport.shm import release_shared, shared_cached_bytes
 
 __all__ = ["cached_bytes", "default_transport", "release_buffers", "set_default_transport"]
 
-_default: list[Transport] = [SharedMemoryTransport()]
+_default: list[Transport] = [CrossMemoryTransport()]
 
 
 def default_transport() -> Transport:
-    """The transport `sync` uses when none is given (a `SharedMemoryTransport` with the defaults)."""
+    """The transport `sync` uses when none is given (a `CrossMemoryTransport` with the defaults)."""
     return _default[0]
 
 

@@ -18,7 +18,7 @@ import torch
 from elastic.replication.comm import Comm
 from elastic.state.tensors import TensorMeta
 
-__all__ = ["OnError", "Transport"]
+__all__ = ["OnError", "Transport", "at_least"]
 
 OnError = Callable[[BaseException], None]
 
@@ -63,3 +63,16 @@ class Transport(Protocol):
     ) -> None:
         """The receivers' half: the source's tensors written into `targets` (in place: storage kept)."""
         ...
+
+
+def at_least(low: int) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator of a transport's option: an int (not a bool) of at least `low`, else a
+    `ValueError` naming the transport, the option and the value."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            name = type(instance).__name__
+            msg = f"{name}({attribute.name}=...) must be an int of at least {low}, got {value!r}"
+            raise ValueError(msg)
+
+    return check

@@ -57,7 +57,7 @@ from elastic.replication.transport.broadcast import (
     forget_splits,
     kept_plan,
 )
-from elastic.replication.transport.protocol import Transport
+from elastic.replication.transport.protocol import Transport, at_least
 from elastic.state.tensors import TensorMeta
 
 __all__ = [
@@ -353,17 +353,6 @@ class _SourceRing:
 # The transport
 
 
-def _at_least(low: int) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            msg = (
-                f"SharedMemoryTransport({attribute.name}=...) must be an int of at least {low}, got {value!r}"
-            )
-            raise ValueError(msg)
-
-    return check
-
-
 def _is_transport(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, Transport) or isinstance(value, SharedMemoryTransport):
         msg = (
@@ -383,9 +372,10 @@ def _signal(comm: Comm, phase: str, value: int = 1) -> Any:
 AGREE_PHASE = "shared memory"
 
 
-def _agree(comm: Comm, ok: bool) -> bool:
-    """Whether every rank of `comm` says `ok` (one all-reduce); the same answer on every rank."""
-    work, flag, phase = _signal(comm, AGREE_PHASE, 1 if ok else 0)
+def _agree(comm: Comm, ok: bool, phase: str = AGREE_PHASE) -> bool:
+    """Whether every rank of `comm` says `ok` (one all-reduce named `phase`); the same answer on every
+    rank."""
+    work, flag, phase = _signal(comm, phase, 1 if ok else 0)
     comm.wait(work, phase)
     return int(flag.item()) == 1
 
@@ -417,10 +407,10 @@ class SharedMemoryTransport:
     receivers' mappings are kept between calls (`release_shared` drops them).
     """
 
-    bucket_bytes: int = attrs.field(default=SHM_BUCKET_BYTES, validator=_at_least(1))
-    slots: int = attrs.field(default=SLOTS, validator=_at_least(2))
-    min_bytes: int = attrs.field(default=MIN_BYTES, validator=_at_least(0))
-    ramp_min: int = attrs.field(default=RAMP_MIN, validator=_at_least(1))
+    bucket_bytes: int = attrs.field(default=SHM_BUCKET_BYTES, validator=at_least(1))
+    slots: int = attrs.field(default=SLOTS, validator=at_least(2))
+    min_bytes: int = attrs.field(default=MIN_BYTES, validator=at_least(0))
+    ramp_min: int = attrs.field(default=RAMP_MIN, validator=at_least(1))
     fallback: Transport = attrs.field(factory=BroadcastTransport, validator=_is_transport)
 
     def _why_not(self, total: int, comm: Comm) -> str | None:
