@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,7 +45,7 @@ from elastic.state.config import config_of, is_elastic_state
 from elastic.state.lineage import lineage
 from elastic.state.shards import is_sharded, layout_of
 
-__all__ = ["Built", "MeshPlan"]
+__all__ = ["Built", "MeshPlan", "warm_up"]
 
 log = logging.getLogger("elastic")
 
@@ -193,6 +194,7 @@ class Built:
             raise ValueError(msg)
         device = "cuda" if dist_backend() == "nccl" else "cpu"
         _forget_meshes()
+        began = time.monotonic()
         world.mesh = init_device_mesh(device, shape, mesh_dim_names=self.plan.dim_names(shape))
         self.groups = []
         for dim in range(len(shape)):  # the mesh's groups get torch's default (30 min), not run's timeout
@@ -200,6 +202,7 @@ class Built:
             self.groups.append(weakref.ref(world.mesh.get_group(dim)))
         if self.state is not None:  # (released when the last generation ended) the old state goes first
             self.release()
+        meshed = time.monotonic()
         new = self._keep(world)
         kept = new is not None
         if new is None:
@@ -212,6 +215,7 @@ class Built:
                     f"{type(new).__qualname__}"
                 )
                 raise TypeError(msg)
+        built = time.monotonic()
         group = Collective.of(None, self.timeout, "run")
         offers = [h for h in [self.held, *self.snapshots.held()] if h is not None and h.tenure is not None]
         records = group.gather((bool(offers), self.snapshot_every), "run-held")
@@ -250,6 +254,15 @@ class Built:
         dropped, self.dropped = self.dropped, None
         if dropped is not None and dropped() is not None:
             gc.collect()  # the old state's cycles, and with them its pieces: freed before fn runs
+        log.debug(
+            "run: generation %d started in %.3f s: mesh %.3f, %s %.3f, fill %.3f",
+            world.generation,
+            time.monotonic() - began,
+            meshed - began,
+            "kept" if kept else "build",
+            built - meshed,
+            time.monotonic() - built,
+        )
         if self.snapshot_every is not None:
             import torch.distributed as dist
 
@@ -283,6 +296,43 @@ class Built:
             return None
         log.debug("run: the mesh %s stays and this rank's coordinate too: the state is kept", binding.shape)
         return kept
+
+
+def warm_up(plan: MeshPlan) -> None:
+    """Pay torch's first-use costs of FSDP2 and DTensor (~0.7 s: building the first sharded model, its
+    first step) before joining, on a throwaway group of this process alone: a spare admitted or a restarted
+    worker otherwise pays them in its first `build` and step, while every member waits for it. Skipped when
+    a default process group exists already (the user's). Local; failures are only logged."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    began = time.monotonic()
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            names = plan.names or ("replicate", "shard")
+            mesh = init_device_mesh("cpu", (1,) * len(names), mesh_dim_names=names)
+            with torch.device("meta"):
+                model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.Adam(model.parameters())
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            del model, optimizer, mesh
+        finally:
+            dist.destroy_process_group()
+            _forget_meshes()
+    except Exception as exc:  # only a cost moved: the first build pays it instead
+        log.debug("run: warming up FSDP2 failed (%s: %s)", type(exc).__name__, exc)
+        return
+    log.debug("run: FSDP2 and DTensor warmed up in %.2f s", time.monotonic() - began)
 
 
 def snapshot_every_mismatch(values: list[int | None]) -> str | None:

@@ -64,7 +64,7 @@ from elastic._util.errors import ElasticError, SyncError
 from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
-from elastic.recovery.builder import Built, MeshPlan
+from elastic.recovery.builder import Built, MeshPlan, warm_up
 from elastic.recovery.fork import install as release_connections_in_forked_children
 from elastic.recovery.rendezvous import Rendezvous
 from elastic.recovery.store import connect, format_address, parse_address
@@ -884,6 +884,7 @@ def run(
             snapshot_every=snapshot_every,
         )
         _import_sharded()
+        warm_up(plan)
     else:
         config_of(state, "elastic.run()")
         if mesh is not None or mesh_dim_names is not None:
@@ -990,12 +991,13 @@ class _Live:
         self.world.group = None
         self.world.mesh = None  # its groups too
 
-    def end(self, *, abort: bool) -> None:
+    def end(self, *, abort: bool, collect: bool = True) -> None:
+        """Destroy the group (once); `collect`: unless the run is over (its state still holds the groups)."""
         self.release()
         if not self._ended:
             self._ended = True
             _end_group(abort=abort)
-            if self._collect is not None and self._collect():
+            if collect and self._collect is not None and self._collect():
                 log.debug("a mesh group is still referenced after destroy; collecting garbage")
                 gc.collect()
 
@@ -1115,7 +1117,7 @@ class _Loop:
             self.built.snapshots.close(wait=True)  # every rank ends alike: the round in flight completes
         live.release()
         self.rendezvous.finish()
-        live.end(abort=False)
+        live.end(abort=False, collect=False)
         return result
 
     def _release_state(self, *, wait: bool = False) -> None:
