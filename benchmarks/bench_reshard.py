@@ -311,13 +311,17 @@ def kill_rows(mib: int, kills: int, spare: bool) -> dict[str, Any]:
         if not entries:
             continue
         first = min(g["generation"] for g, _ in entries)
-        here = [(g, b) for g, b in entries if g["generation"] == first and b is not None]
+        here = [(g, b) for g, b in entries if g["generation"] == first]
+        built = [(g, b) for g, b in here if b is not None]  # a member that kept its state built nothing
         samples.append(
             {
                 "size": here[0][0]["size"],
-                "regroup": max(b[0] for _, b in here) - t_kill,
-                "build": max(b[1] - b[0] for _, b in here),
-                "fill": max(g["entered"] - b[1] for g, b in here),
+                "kept": len(here) - len(built),
+                "regroup": max(b[0] for _, b in built) - t_kill
+                if built
+                else max(g["entered"] for g, _ in here) - t_kill,
+                "build": max((b[1] - b[0] for _, b in built), default=0.0),
+                "fill": max((g["entered"] - b[1] for g, b in built), default=0.0),
                 "step": max(g["first_step"] - g["entered"] for g, _ in here),
                 "total": max(g["first_step"] for g, _ in here) - t_kill,
             }
@@ -381,9 +385,11 @@ def table(res: dict[str, Any], kills: dict[str, dict[str, Any]]) -> str:
         if not k or not k["median"]:
             continue
         m = k["median"]
+        steady = k["steady_step"] or 0.0
         parts = (
             f"regroup {m['regroup']:.2f} + build {m['build']:.2f} + fill {m['fill']:.2f} + first step "
-            f"{m['step']:.2f} s; a step otherwise {k['steady_step'] or 0:.2f} s"
+            f"{m['step']:.2f} s; a step otherwise {steady:.2f} s, so {m['total'] - steady:.2f} s beyond one; "
+            f"{m['kept']:.0f} members kept their state"
         )
         lines.append(
             f"| {label} ({len(k['samples'])} kills; {parts}) | {'5' if key == 'kill-spare' else '4'} "

@@ -47,7 +47,9 @@ def build(mesh: Any, seed: int = 0) -> Sharded:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     placements = [Replicate() if n == "replicate" else Shard(1) for n in mesh.mesh_dim_names]
-    table = distribute_tensor(torch.randn(3, 5), mesh, placements)
+    # no communication: with the same seed every rank cuts its own piece (under elastic.run a builder may
+    # run on a newcomer alone, when the mesh stays)
+    table = distribute_tensor(torch.randn(3, 5), mesh, placements, src_data_rank=None)
     return Sharded(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), table=table)
 
 

@@ -452,3 +452,19 @@ def test_a_participant_whose_process_exited_on_this_host_is_dead_at_once() -> No
     finally:
         me.close()
     del server
+
+
+def test_with_a_mesh_survivors_keep_their_ranks_and_newcomers_fill_the_free_ones() -> None:
+    prev = ("1.h-1", "2.h-2", "3.h-3", "4.h-4")
+    mesh = {"fit": lambda n: 4 if n >= 4 else n}
+    # slot 2 (rank 1) died; the spare of slot 0 takes rank 1, the others stay where they were
+    log = Log(joined=("4.h-4", "0.h-0", "1.h-1", "3.h-3"))
+    assert _decide(prev, log, dead={"2.h-2"}, **mesh) == ("1.h-1", "0.h-0", "3.h-3", "4.h-4")
+    # without a mesh, ranks follow the slots
+    assert _decide(prev, log, dead={"2.h-2"}) == ("0.h-0", "1.h-1", "3.h-3", "4.h-4")
+    # fewer workers: a survivor whose rank no longer exists fills a free one, the others stay
+    log = Log(joined=("1.h-1", "3.h-3", "4.h-4"))
+    assert _decide(prev, log, dead={"2.h-2"}, **mesh) == ("1.h-1", "4.h-4", "3.h-3")
+    # spares beyond the mesh are left out, previous members first
+    log = Log(joined=("0.h-0", "5.h-5", "1.h-1", "2.h-2", "3.h-3", "4.h-4"))
+    assert _decide(prev, log, **mesh) == prev

@@ -2,10 +2,11 @@
 
 One run checks, in order:
 
-1. A member of the 2x2 mesh is killed: the spare (slot 0, a process that was waiting all along) is admitted,
-   the mesh stays 2x2, the whole state's digest is the one the survivors had when their last step completed.
-   The spare takes rank 0, so every survivor sits elsewhere on a mesh equal to the last one (torch's DTensor
-   caches compare meshes by value: they must not hand the new state the old coordinates).
+1. A member of the 2x2 mesh is killed: the spare (slot 0, a process that was waiting all along) is admitted
+   at the lost member's rank, the mesh stays 2x2, the whole state's digest is the one the survivors had when
+   their last step completed. The survivors keep their ranks and their state's objects (the same state,
+   modules and parameter storage: `build` is not called again and nothing is copied into them); only the
+   spare builds and receives.
 2. A member of that second 2x2 mesh is killed: three workers reshard onto a 1x3 mesh, and one of them dies
    while the pieces move (``ELASTIC_FAULT``'s ``reshard-pieces``, after its local copies, before the
    all-to-all). That generation never trains; the next one (two workers, 1x2) plans again from the pieces
@@ -51,7 +52,7 @@ def worker() -> dict[str, Any]:
     from sharded_model import build, digest, full, train
 
     slot, life = int(os.environ["ELASTIC_SLOT"]), int(os.environ["ELASTIC_SLOT_RESTARTS"])
-    record: dict[str, Any] = {"slot": slot, "life": life, "gens": [], "digests": []}
+    record: dict[str, Any] = {"slot": slot, "life": life, "gens": [], "digests": [], "builds": [], "kept": {}}
     if life > 0:
         return record  # a killed worker's restart stays out: the generations are the survivors and the spare
     logs = rendezvous_logs()
@@ -65,6 +66,8 @@ def worker() -> dict[str, Any]:
         began = state.step
         members: list[Any] = [None] * world.size  # (slot, life) by rank: the dead's records are lost
         dist.all_gather_object(members, (slot, life), group=world.group)
+        param = next(state.model.parameters())._local_tensor
+        record["kept"][world.generation] = (id(state), id(state.model), param.data_ptr())
         record["gens"].append(
             {
                 "generation": world.generation,
@@ -81,7 +84,7 @@ def worker() -> dict[str, Any]:
                     time.sleep(0.05)
         if world.size == 4 and world.rank == 2 and began >= FIRST_KILL:
             # rank 2 of the second 2x2 mesh holds shard 0; in the 1x3 generation after the second kill it is
-            # rank 2 again (ranks follow the slots) and dies there while the pieces move
+            # rank 2 again (survivors keep their ranks) and dies there while the pieces move
             os.environ["ELASTIC_FAULT"] = "2:reshard-pieces:die"
         while state.step < STEPS:
             for kill_at in (FIRST_KILL, SECOND_KILL):
@@ -92,9 +95,13 @@ def worker() -> dict[str, Any]:
             world.check()
         return digest(full(state))
 
+    def built(world: Any) -> Any:
+        record["builds"].append(world.generation)
+        return build(world.mesh)
+
     record["final"] = elastic.run(
         fn,
-        lambda world: build(world.mesh),
+        built,
         mesh=lambda n: (2, 2) if n >= 4 else (n,),
         min_workers=2,
         first_workers=4,
@@ -121,9 +128,12 @@ def test_a_spare_takes_a_lost_place_and_a_death_while_resharding_is_planned_agai
 
     # 1. the spare (the process that waited all along: life 0) takes the killed member's place in a 2x2 mesh
     assert first["members"] == [(1, 0), (2, 0), (3, 0), (4, 0)]
-    assert second["members"] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # slot 4 (rank 3) was killed
+    assert second["members"] == [(1, 0), (2, 0), (3, 0), (0, 0)]  # slot 4 (rank 3) was killed
     assert second["step"] == FIRST_KILL  # only the step in flight is lost
     assert second["digest"] == history[(trained[0], FIRST_KILL)]  # the spare's pieces included
+    for r in lives:  # survivors on the same mesh: the same objects, the same storage, no second build
+        assert r["kept"][trained[1]] == r["kept"][trained[0]]
+        assert trained[0] in r["builds"] and trained[1] not in r["builds"] and trained[2] in r["builds"]
 
     # 2. the 1x3 generation died while resharding and never trained; the 1x2 one starts from the 2x2 state
     assert trained[2] > trained[1] + 1, trained  # a generation formed in between and never reached fn

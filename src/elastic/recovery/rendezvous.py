@@ -160,11 +160,11 @@ def decide(
 
     Members: the joined participants that are ready, at most `max_workers` (previous members are chosen
     first, in their previous rank order, then newcomers in join order), ranked by the stable order their
-    ids carry (`ranked`). The round closes as soon as every live
-    previous member has joined and every live joiner is ready (no wait for the dead); a round no
-    previous member has joined (the first, or after every member died) closes after a quiet last call,
-    so that workers starting together form one generation. `fit(n)`: how many of `n` chosen workers a
-    generation uses (a sharded state's mesh); the others stay out, as spares of the next round.
+    ids carry (`ranked`; with `fit`, previous members keep their ranks: `_ranks`). The round closes as
+    soon as every live previous member has joined and every live joiner is ready (no wait for the dead);
+    a round no previous member has joined (the first, or after every member died) closes after a quiet
+    last call, so that workers starting together form one generation. `fit(n)`: how many of `n` chosen
+    workers a generation uses (a sharded state's mesh); the others stay out, as spares of the next round.
     """
     candidates = [p for p in events.joined if ready(p)]
     ordered = [p for p in prev if p in candidates] + [p for p in candidates if p not in prev]
@@ -175,12 +175,26 @@ def decide(
     if unsure and len(ordered) < max_workers:
         return None
     if len(ordered) >= max_workers:
-        return ranked(_fitted(ordered[:max_workers], fit))
+        return _ranks(_fitted(ordered[:max_workers], fit), prev, fit)
     if len(ordered) < min_workers:
         return None
     if not any(p in prev for p in ordered) and not quiet:
         return None
-    return ranked(_fitted(ordered, fit))
+    return _ranks(_fitted(ordered, fit), prev, fit)
+
+
+def _ranks(chosen: list[str], prev: tuple[str, ...], fit: Callable[[int], int] | None) -> tuple[str, ...]:
+    """`chosen` in rank order: `ranked`, except that with a mesh (`fit`) the previous members keep their
+    ranks where they still exist and the others fill the free ranks in `ranked` order, so that when the
+    mesh stays a survivor keeps its coordinate (and its pieces: the state is kept, not resharded)."""
+    if fit is None or not prev:
+        return ranked(chosen)
+    places: list[str | None] = [None] * len(chosen)
+    for p in chosen:
+        if p in prev and prev.index(p) < len(chosen):
+            places[prev.index(p)] = p
+    rest = iter(ranked([p for p in chosen if p not in places]))
+    return tuple(p if p is not None else next(rest) for p in places)
 
 
 def _fitted(ordered: list[str], fit: Callable[[int], int] | None) -> list[str]:

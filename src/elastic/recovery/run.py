@@ -64,7 +64,7 @@ from elastic._util.errors import ElasticError, SyncError
 from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
-from elastic.recovery.builder import Built, MeshPlan
+from elastic.recovery.builder import Built, MeshPlan, warm_up
 from elastic.recovery.fork import install as release_connections_in_forked_children
 from elastic.recovery.rendezvous import Rendezvous
 from elastic.recovery.store import connect, format_address, parse_address
@@ -884,6 +884,7 @@ def run(
             snapshot_every=snapshot_every,
         )
         _import_sharded()
+        warm_up(plan)
     else:
         config_of(state, "elastic.run()")
         if mesh is not None or mesh_dim_names is not None:
@@ -942,10 +943,15 @@ def run(
 
 def _import_sharded() -> None:
     """Import what building and filling a sharded state uses (~2 s on a busy machine) before joining: a
-    spare pays it while it waits, not when it is admitted with every member waiting for it."""
+    spare pays it while it waits, not when it is admitted with every member waiting for it.
+
+    Also before any process group exists: ``torch.distributed.nn.functional`` (which FSDP2's first forward
+    imports) takes ``group=dist.group.WORLD`` as the default of its functions, so imported during a
+    generation it holds that generation's default group, and its sockets open, for the whole process."""
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.device_mesh
     import torch.distributed.fsdp
+    import torch.distributed.nn.functional
     import torch.distributed.tensor  # noqa: F401
 
 
@@ -955,12 +961,15 @@ class _Live:
     `release` stops the watch and drops the world's reference to the group (before a failure is judged,
     so that nothing but torch holds the group); `end` destroys the group, aborting it first when asked,
     once. Leaving the ``with`` block ends a generation nobody ended (aborting it): no path leaks a group.
-    `collect`: a builder's state, whose FSDP2 modules are reference cycles holding the mesh's groups (and
-    so their sockets) until a garbage collection, which `end` then runs (after the announcement: it holds
-    the GIL, and so the heartbeat, for a while).
+    `collect`: for a builder's state, whether something still holds one of the mesh's groups once they
+    are destroyed (a state that could not let go of them: FSDP2's modules are reference cycles); `end`
+    then runs a garbage collection (after the announcement: it holds the GIL, and so the heartbeat, for a
+    while).
     """
 
-    def __init__(self, world: World, watch: _NcclWatch | None, collect: bool = False) -> None:
+    def __init__(
+        self, world: World, watch: _NcclWatch | None, collect: Callable[[], bool] | None = None
+    ) -> None:
         self.world = world
         self._watch = watch
         self._ended = False
@@ -982,12 +991,14 @@ class _Live:
         self.world.group = None
         self.world.mesh = None  # its groups too
 
-    def end(self, *, abort: bool) -> None:
+    def end(self, *, abort: bool, collect: bool = True) -> None:
+        """Destroy the group (once); `collect`: unless the run is over (its state still holds the groups)."""
         self.release()
         if not self._ended:
             self._ended = True
             _end_group(abort=abort)
-            if self._collect:
+            if collect and self._collect is not None and self._collect():
+                log.debug("a mesh group is still referenced after destroy; collecting garbage")
                 gc.collect()
 
 
@@ -1053,7 +1064,8 @@ class _Loop:
         )
         watch = _NcclWatch(self.rendezvous, gen, group) if self.backend == "nccl" else None
         del group
-        with _Live(world, watch, collect=self.built is not None) as live:
+        collect = self.built.groups_alive if self.built is not None else None
+        with _Live(world, watch, collect=collect) as live:
             return self.train(live, gen, membership)
 
     def train(self, live: _Live, gen: _Generation, membership: Any) -> Any:
@@ -1105,7 +1117,7 @@ class _Loop:
             self.built.snapshots.close(wait=True)  # every rank ends alike: the round in flight completes
         live.release()
         self.rendezvous.finish()
-        live.end(abort=False)
+        live.end(abort=False, collect=False)
         return result
 
     def _release_state(self, *, wait: bool = False) -> None:

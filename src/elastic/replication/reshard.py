@@ -369,24 +369,30 @@ def reshard(new_state: Any, held: Held | Sequence[Held] | None, group: Collectiv
     moves = plan_moves([r.wanted for r in records], offers, holders)
     me = group.rank
     index = [{reg.path: k for k, reg in enumerate(h.regions)} for h in mine]
-    set_lineage(new_state, token=None, torn=True)  # until every region is in
-    # Local copies, then one all-to-all of packed bytes for the rest.
+    # Local copies, then one all-to-all of packed bytes for the rest. A local part that already is the
+    # target's memory (a state kept on the same mesh holds its own tensors) is not copied.
     device = targets[0].local.device if targets else torch.device("cpu")
     send: list[list[torch.Tensor]] = [[] for _ in range(group.world)]
     recv_plan: list[list[Move]] = [[] for _ in range(group.world)]
+    local: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for m in moves:
+        if m.src == me:
+            h = mine[m.offer]
+            k = index[m.offer][records[m.dst].wanted[m.key].path]
+            part = h.tensors[k][_slices(m.box, h.regions[k].offset)]
+            if m.dst == me:
+                into = targets[m.key].local[_slices(m.box, wanted[m.key].offset)]
+                if not _same_memory(into, part):
+                    local.append((into, part))
+            else:  # a snapshot's part sits on the CPU: it travels on the pieces' device
+                send[m.dst].append(part.reshape(-1).contiguous().view(torch.uint8).to(device))
+        elif m.dst == me:
+            recv_plan[m.src].append(m)
+    if local or any(recv_plan):
+        set_lineage(new_state, token=None, torn=True)  # until every region is in
     with torch.no_grad():
-        for m in moves:
-            if m.src == me:
-                h = mine[m.offer]
-                k = index[m.offer][records[m.dst].wanted[m.key].path]
-                part = h.tensors[k][_slices(m.box, h.regions[k].offset)]
-                if m.dst == me:
-                    target = targets[m.key].local
-                    target[_slices(m.box, wanted[m.key].offset)].copy_(part)
-                else:  # a snapshot's part sits on the CPU: it travels on the pieces' device
-                    send[m.dst].append(part.reshape(-1).contiguous().view(torch.uint8).to(device))
-            elif m.dst == me:
-                recv_plan[m.src].append(m)
+        for into, part in local:
+            into.copy_(part)
         received = 0
         if comm is not None and any(m.src != m.dst for m in moves):
             send_sizes = [sum(t.numel() for t in ts) for ts in send]
@@ -423,6 +429,17 @@ def reshard(new_state: Any, held: Held | Sequence[Held] | None, group: Collectiv
         apply_sharded(new_state, merge_plain(sd, plain))
     set_lineage(new_state, token=token, torn=False)
     return Filled(tenure, received, sender, from_snapshot)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of the same elements (copying one into the other changes nothing)."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def _itemsize(dtype: str) -> int:

@@ -47,6 +47,7 @@ __all__ = [
     "layout_of",
     "merge_plain",
     "mesh_of",
+    "modules_of",
     "model_state_dict",
     "optimizer_state_dict",
     "pieces",
@@ -241,6 +242,11 @@ def _owner_model(
         "whose parameters the optimizer steps in a field of the same state"
     )
     raise ValueError(msg)
+
+
+def modules_of(state: Any, which: Which = "sync") -> list[tuple[Path, torch.nn.Module]]:
+    """The modules among the `which` fields of `state` and its nested states, with their paths."""
+    return _modules(state, which)
 
 
 def _modules(state: Any, which: Which, path: Path = ()) -> list[tuple[Path, torch.nn.Module]]:
