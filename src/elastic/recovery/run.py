@@ -814,8 +814,10 @@ def run(
       in two runs started alike.
     - Sharded states: pass a *builder* instead of a state, ``run(fn, build, mesh=...)``. Every generation
       gets ``world.mesh`` (a ``DeviceMesh`` of shape ``mesh(n)`` for its `n` workers; workers beyond the
-      shape's product wait as spares and are admitted first at the next change), ``build(world)`` makes
-      the state on it (meta device, ``fully_shard``, ``to_empty``), and the state is filled in memory from
+      shape's product wait as spares and are admitted first at the next change). When the mesh differs
+      from the last one, ``build(world)`` makes the state on it (meta device, ``fully_shard``,
+      ``to_empty``; it must not communicate: when the mesh stays, only newcomers build, and the survivors
+      keep their state's objects, rebound to the new groups), and the state is filled in memory from
       the previous generation's pieces (the survivors', resharded onto the new mesh, every byte moved at
       most once, no disk), else from the newest snapshot held whole (``snapshot_every``), else from
       `ckpt`, else synced (a first generation); when nothing holds a whole version and there is no
@@ -825,7 +827,7 @@ def run(
     Args:
         fn: ``fn(state, world)``, called once per generation; its value is returned.
         state: an ``@elastic_state`` instance, kept in memory across generations; or a builder,
-            ``build(world) -> state``, for a sharded state built on ``world.mesh`` in every generation.
+            ``build(world) -> state``, for a sharded state built on ``world.mesh`` (kept while it stays).
         rdzv: the rendezvous store's ``"host:port"`` (default ``$ELASTIC_RDZV``).
         run_id: names the run in the store (several runs may share one store).
         min_workers: the fewest members a generation may have.
