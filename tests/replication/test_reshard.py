@@ -1,15 +1,21 @@
 """Resharding in memory, the planner on regions alone (the whole path runs on real ranks in
 `tests/recovery/test_run_sharded.py`: 2x2 -> 1x3 -> 2x2 under `elastic.run`, and with snapshots in
-`tests/recovery/test_run_snapshots.py`)."""
+`tests/recovery/test_run_snapshots.py`); what a receiver reads of a box; and on three gloo ranks the
+reads from the holders' memory against the all-to-all, a refusal or a failed read on one rank, and pieces
+held as they are."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import pytest
+import torch
 
 from elastic import SyncError
-from elastic.replication.reshard import Offer, Region, elect_held, plan
+from elastic.replication.reshard import Box, Offer, Region, elect_held, plan
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -131,3 +137,184 @@ def test_missing_slices_of_a_2d_sharded_tensor_are_named_as_boxes() -> None:
     offers = [[live(3, box(0, 0), box(0, 1))], [live(3, box(1, 0))]]
     with pytest.raises(SyncError, match=r"lack t\[2:4, 3:6\]"):
         elect_held(offers)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Runs of memory: what a receiver reads of a box, from a piece into a piece
+
+
+def _box_copy(
+    global_shape: tuple[int, ...], src_box: Box, dst_box: Box, part: Box, *, dst_view: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The region `part` of a tensor, read by `_runs` + `read_regions` (from this process's own memory)
+    out of a piece holding `src_box` into a piece holding `dst_box`; the target, what it should be, and
+    the number of runs. `dst_view`: the target is a column slice of a wider tensor (strided rows)."""
+    import os
+
+    from elastic.replication.reshard import _merge_runs, _runs
+    from elastic.replication.transport.cma import read_regions
+
+    whole = torch.arange(math.prod(global_shape), dtype=torch.float64).reshape(global_shape)
+
+    def cut(box: Box) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(*box))
+
+    src = whole[cut(src_box)].clone()
+    if dst_view:
+        wide = torch.full((dst_box[1][0], dst_box[1][1] + 3), -1.0, dtype=torch.float64)
+        dst = wide[:, 1 : 1 + dst_box[1][1]]
+    else:
+        dst = torch.full(dst_box[1], -1.0, dtype=torch.float64)
+    pairs = _merge_runs(
+        _runs(part, 8, (src.data_ptr(), src.stride()), src_box[0], (dst.data_ptr(), dst.stride()), dst_box[0])
+    )
+    read_regions(os.getpid(), [(d, n) for _, d, n in pairs], [(s, n) for s, _, n in pairs])
+    want = torch.full(dst_box[1], -1.0, dtype=torch.float64)
+    local = tuple(slice(o - b, o - b + n) for o, b, n in zip(part[0], dst_box[0], part[1]))
+    want[local] = whole[cut(part)]
+    return dst, want, len(pairs)
+
+
+def test_a_row_block_is_one_run_and_a_column_block_one_run_per_row() -> None:
+    # Shard(0): rows 3:5 of a 9x4 tensor, from the piece of rows 0:5 into the piece of rows 3:6
+    got, want, count = _box_copy((9, 4), ((0, 0), (5, 4)), ((3, 0), (3, 4)), ((3, 0), (2, 4)))
+    assert torch.equal(got, want) and count == 1
+    # Shard(1): columns 2:4 of a 5x6 tensor, from columns 0:4 into columns 2:6: a run per row
+    got, want, count = _box_copy((5, 6), ((0, 0), (5, 4)), ((0, 2), (5, 4)), ((0, 2), (5, 2)))
+    assert torch.equal(got, want) and count == 5
+    # a box of whole rows of both pieces (every column held): the rows merge into one run
+    got, want, count = _box_copy((6, 3), ((0, 0), (6, 3)), ((2, 0), (4, 3)), ((2, 0), (3, 3)))
+    assert torch.equal(got, want) and count == 1
+    # a strided target (a column slice of a wider tensor): a run per row, into the right places
+    got, want, count = _box_copy((4, 5), ((0, 0), (4, 5)), ((0, 0), (4, 5)), ((1, 0), (2, 5)), dst_view=True)
+    assert torch.equal(got, want) and count == 2
+    # a 0-d tensor (a replicated scalar): one element
+    from elastic.replication.reshard import _runs
+
+    assert _runs(((), ()), 4, (100, ()), (), (200, ()), ()) == [(100, 200, 4)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The whole reshard on three gloo ranks: the sharded test state (FSDP2 MLP with Adam, a table sharded on
+# its columns) on a 1x2 mesh of ranks 0-1, resharded onto a 1x3 mesh when rank 2 joins (uneven shards: some
+# regions stay, some move, the table's a run per row)
+
+
+def _reshards(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import elastic.replication.reshard as rs
+    from elastic.replication.collective import Collective
+    from elastic.replication.sync import tenure
+    from elastic.state.lineage import lineage
+    from elastic.state.shards import pieces, sharded_state_dict
+    from sharded_model import build, differences, full, train
+
+    pair = DeviceMesh("cpu", [0, 1], mesh_dim_names=("shard",))  # every rank takes part in its groups
+    old = build(pair) if rank < 2 else None
+    if old is not None:
+        train(old, 2)
+    gathered = [full(old) if old is not None else None]
+    dist.broadcast_object_list(gathered, src=0)
+    truth = gathered[0]
+    three = DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=("shard",))
+    group = Collective.of(None, timedelta(seconds=60), "reshard")
+
+    def held() -> Any:
+        return rs.hold(old, tenure(old)) if old is not None else None
+
+    out: dict[str, Any] = {}
+    paths: dict[str, int] = {}
+    real = {name: getattr(rs, name) for name in ("_read_moves", "_all_to_all")}
+
+    def spy(name: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            paths[name] = paths.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+
+        return counted
+
+    for name in real:
+        setattr(rs, name, spy(name))
+
+    def locals_of(s: Any) -> list[torch.Tensor]:
+        return [p.local.clone() for p in pieces(sharded_state_dict(s))]
+
+    def fill(name: str, **kwargs: Any) -> Any:
+        paths.clear()
+        new = build(three, seed=1)  # other values: every piece is overwritten
+        filled = rs.reshard(new, held(), group, **kwargs)
+        out[name] = {
+            "paths": dict(paths),
+            "received": filled.received,
+            "diff": differences(truth, full(new)),
+            "torn": lineage(new).torn,
+        }
+        return new
+
+    # 1. one host: every receiver reads from its holders' memory; 2. a rank refusing (cross_memory=False
+    # on rank 1, a token that does not read back on rank 2): every rank takes the all-to-all, bit-equal
+    direct = fill("direct")
+    fallback = fill("refused", cross_memory=rank != 1)
+    out["bit-equal"] = all(torch.equal(a, b) for a, b in zip(locals_of(direct), locals_of(fallback)))
+    readable = rs.can_read
+    if rank == 2:
+        rs.can_read = lambda ref: "another host"  # type: ignore[assignment]
+    fill("unreadable")
+    rs.can_read = readable
+    # 3. a read that fails on rank 1: the same SyncError everywhere, every new state left torn
+    real_read = rs.read_regions
+    if rank == 1:
+
+        def broken(pid: int, dests: Any, regions: Any) -> None:
+            raise OSError(14, "Bad address")
+
+        rs.read_regions = broken  # type: ignore[assignment]
+    new = build(three, seed=1)
+    try:
+        rs.reshard(new, held(), group)
+        out["failed read"] = None
+    except SyncError as exc:
+        out["failed read"] = (str(exc), lineage(new).torn)
+    rs.read_regions = real_read  # type: ignore[assignment]
+    # 4. the held pieces are the target's own (the mesh stays, the state kept): nothing is copied
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten.copy_.default and args[0].is_floating_point():  # into a piece
+                Copies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    own = rs.hold(direct, tenure(direct))
+    with Copies():
+        kept = rs.reshard(direct, own, group)
+    out["identity"] = {
+        "copies": Copies.count,
+        "received": kept.received,
+        "diff": differences(truth, full(direct)),
+    }
+    return out
+
+
+def test_reads_from_the_holders_memory_equal_the_all_to_all_and_a_refusal_or_failure_is_everyones() -> None:
+    from dist_harness import run_on_ranks
+
+    results = run_on_ranks(_reshards, 3, timeout=200)
+    for rank, r in enumerate(results):
+        assert r["direct"]["paths"] == {"_read_moves": 1}, (rank, r["direct"])
+        for case in ("refused", "unreadable"):
+            assert r[case]["paths"] == {"_all_to_all": 1}, (rank, case, r[case])
+        for case in ("direct", "refused", "unreadable"):
+            assert r[case]["diff"] == [] and r[case]["torn"] is False, (rank, case, r[case])
+            assert r[case]["received"] == r["direct"]["received"]
+        assert r["bit-equal"]
+        message, torn = r["failed read"]
+        assert message == results[0]["failed read"][0]  # the same error on every rank
+        assert "rank 1 could not fill its new pieces" in message and "Bad address" in message
+        assert "cross_memory=False" in message and torn
+        assert r["identity"] == {"copies": 0, "received": 0, "diff": []}, (rank, r["identity"])
+    assert sum(r["direct"]["received"] for r in results) > 0

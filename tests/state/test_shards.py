@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -124,3 +125,53 @@ def test_a_kept_entry_leaves_its_field_as_it_is() -> None:
     assert s.step == 5 and torch.equal(s.model.weight, weight)
     with pytest.raises(ValueError, match="does not match the module"):
         apply_sharded(s, {"model": {}, "step": 6})
+
+
+def test_a_model_rebuilt_alike_is_named_as_torch_named_the_last_one_without_its_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed.checkpoint.state_dict as torch_sd
+
+    from elastic.state.shards import model_state_dict, optimizer_state_dict
+
+    def built(seed: int, width: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(2, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.ones(4, 2)).sum().backward()
+        optim.step()
+        return model, optim
+
+    first, first_optim = built(0)
+    want_model = torch_sd.get_model_state_dict(first)
+    want_optim = torch_sd.get_optimizer_state_dict(first, first_optim)
+    assert list(model_state_dict(first)) == list(want_model)
+    assert optimizer_state_dict(first, first_optim)["param_groups"] == want_optim["param_groups"]
+    walks: list[str] = []
+
+    def counted(name: str) -> Any:
+        real = getattr(torch_sd, name)
+
+        def walk(*args: Any, **kwargs: Any) -> Any:
+            walks.append(name)
+            return real(*args, **kwargs)
+
+        return walk
+
+    for name in ("get_model_state_dict", "get_optimizer_state_dict"):
+        monkeypatch.setattr(torch_sd, name, counted(name))
+    second, second_optim = built(1)  # other objects, the same structure: torch's names, no walk
+    sd, osd = model_state_dict(second), optimizer_state_dict(second, second_optim)
+    assert walks == []
+    assert list(sd) == list(want_model) and sd["0.weight"].data_ptr() == second[0].weight.data_ptr()
+    assert list(osd["state"]) == list(want_optim["state"])
+    assert osd["state"]["2.bias"]["exp_avg"] is second_optim.state[second[2].bias]["exp_avg"]
+    assert osd["param_groups"] == want_optim["param_groups"]
+    wider, _ = built(2, width=4)  # other shapes, the same modules and names: still no walk
+    assert list(model_state_dict(wider)) == list(want_model) and walks == []
+    third = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    third_optim = torch.optim.Adam(third.parameters(), lr=0.1)
+    third(torch.ones(1, 2)).sum().backward()
+    third_optim.step()
+    model_state_dict(third), optimizer_state_dict(third, third_optim)  # another module type: torch's walk
+    assert walks == ["get_model_state_dict", "get_optimizer_state_dict"]

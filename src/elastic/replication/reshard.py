@@ -5,8 +5,13 @@ survivor still holds its old pieces. `hold` keeps them with where they sit in ea
 and shape DTensor's own placement rules give, `compute_local_shape_and_global_offset`). `reshard` then fills
 a state built on the new mesh: one all-gather tells every rank what everybody holds; every rank plans the
 same moves from it (each region of a new piece comes from one holder of the elected version, itself when it
-can, else holders taken in turn); one `all_to_all_single` moves every byte that changes rank exactly once;
-regions a rank holds itself are copied locally. Nothing touches a disk.
+can, else holders taken in turn); regions a rank holds itself are copied locally (not at all where its held
+piece *is* its target). Every other byte changes rank exactly once: when every rank runs on one host with
+its pieces on the CPU (and Yama lets siblings read each other), each receiver reads its regions straight
+from the holders' memory into its new pieces (``process_vm_readv``, as the cross-memory transport does:
+the addresses ride in the first all-gather, the agreement in the second, one all-reduce after the reads
+keeps the holders' tensors until then); else one `all_to_all_single` of packed bytes. Nothing touches a
+disk.
 
 What a rank offers is a list of `Held`: its live pieces (the state of the generation that ended) and its
 complete in-memory snapshots (`elastic.replication.snapshot`: its own pieces at an older tenure and a peer's
@@ -14,11 +19,13 @@ copy). A *version* is a tenure together with the generation whose mesh cut the p
 of two meshes overlap and never combine). The elected version is the most tenured one whose held regions
 cover every tensor entirely, live pieces before snapshots at the same tenure; none: the same `SyncError` on
 every rank naming what nobody holds and the fixes. Non-DTensor leaves (step counters, hyperparameters,
-plain fields) come from the lowest rank holding that version, in one payload.
+plain fields) come from the lowest rank holding that version, in the second all-gather (broadcast after it
+when they pickle to more than `OBJECTS_INLINE` bytes).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import uuid
@@ -32,14 +39,23 @@ import torch.distributed as dist
 
 from elastic._util.errors import SyncError
 from elastic.replication.collective import Collective, raise_first
-from elastic.replication.comm import fault_point
+from elastic.replication.comm import Comm, fault_point
+from elastic.replication.sharded import OBJECTS_INLINE
+from elastic.replication.transport.cma import (
+    SourceRef,
+    can_read,
+    plain_cpu,
+    read_refusal,
+    read_regions,
+    source_ref,
+)
 from elastic.state.lineage import lineage, set_lineage
 from elastic.state.nodes import Path, path_str
 from elastic.state.shards import (
     Piece,
     allocate_optimizer_state,
     apply_sharded,
-    merge_plain,
+    kept_modules,
     pieces,
     plain_leaves,
     sharded_state_dict,
@@ -132,11 +148,15 @@ _BOXES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
-    hi = tuple(min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= low for low, h in zip(lo, hi)) and len(lo):
-        return None
-    return lo, tuple(h - low for low, h in zip(lo, hi))
+    lo: list[int] = []
+    extent: list[int] = []
+    for x, m, y, n in zip(a[0], a[1], b[0], b[1]):
+        low, high = max(x, y), min(x + m, y + n)
+        if high <= low:
+            return None
+        lo.append(low)
+        extent.append(high - low)
+    return tuple(lo), tuple(extent)
 
 
 def _volume(shape: Sequence[int]) -> int:
@@ -216,30 +236,36 @@ def elect_held(offers: Sequence[Sequence[Offer]]) -> tuple[Any, list[Holder]]:
 
 
 def plan_moves(
-    wanted: Sequence[Sequence[Region]], offers: Sequence[Sequence[Offer]], holders: Sequence[Holder]
+    wanted: Sequence[Sequence[Region]],
+    offers: Sequence[Sequence[Offer]],
+    holders: Sequence[Holder],
+    dsts: Sequence[int] | None = None,
 ) -> list[Move]:
-    """The moves that fill every rank's `wanted` regions from the `holders`' offers: each region from
-    one holder, the destination itself when it holds it, else the holding ranks in turn (a rank's first
-    offer holding a region: its live pieces before its snapshots)."""
+    """The moves that fill every rank's `wanted` regions (only the ranks `dsts`, when given) from the
+    `holders`' offers: each region from one holder, the destination itself when it holds it, else one of
+    the holding ranks, in turn over destinations and tensors (a rank's first offer holding a region: its
+    live pieces before its snapshots). The choice for one destination depends on nothing else, so every
+    rank plans the same moves into it."""
     moves: list[Move] = []
-    turn = 0
     held_boxes: dict[Path, dict[Box, dict[int, int]]] = {}  # per tensor, the distinct boxes: rank -> offer
     for r, i in holders:
         for h in offers[r][i].regions:
             if _volume(h.shape):
                 held_boxes.setdefault(h.path, {}).setdefault((h.offset, h.shape), {}).setdefault(r, i)
-    for dst, regions in enumerate(wanted):
-        for key, region in enumerate(regions):
+    for dst in range(len(wanted)) if dsts is None else dsts:
+        for key, region in enumerate(wanted[dst]):
             if _volume(region.shape) == 0:
                 continue
             target: Box = (region.offset, region.shape)
-            for box, owners in held_boxes.get(region.path, {}).items():
+            for turn, (box, owners) in enumerate(held_boxes.get(region.path, {}).items(), dst + key):
                 part = _intersect(target, box)
-                if part is None or _volume(part[1]) == 0:
+                if part is None:
                     continue
-                ranks = list(owners)
-                src = dst if dst in owners else ranks[turn % len(ranks)]
-                turn += 1
+                if dst in owners:
+                    src = dst
+                else:
+                    ranks = list(owners)
+                    src = ranks[turn % len(ranks)]
                 moves.append(Move(key, src, dst, part, owners[src]))
     return moves
 
@@ -324,10 +350,184 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, b, n in zip(box[0], origin, box[1]))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Reading the holders' memory
+
+
+#: Where a tensor's bytes are, for a receiver reading them: its address and strides (in elements).
+Where = tuple[int, tuple[int, ...]]
+
+
+class Reach(NamedTuple):
+    """Where receivers read a rank's offers in its memory: its `SourceRef`, and per offer, per tensor,
+    `Where` it is (None: not a plain CPU tensor, it cannot be read by address)."""
+
+    source: SourceRef
+    tensors: tuple[tuple[Where | None, ...], ...]
+
+
+def _where(t: torch.Tensor, region: Region) -> Where | None:
+    """Where receivers read `t`, the piece `region`: None unless it is a plain CPU tensor of the region's
+    shape (a read computes its addresses from that shape: anything else would read past the tensor)."""
+    return (t.data_ptr(), tuple(t.stride())) if plain_cpu(t) and tuple(t.shape) == region.shape else None
+
+
+def _reach(mine: Sequence[Held]) -> Reach:
+    return Reach(source_ref(), tuple(tuple(map(_where, h.tensors, h.regions)) for h in mine))
+
+
+def _dense_from(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """The first dimension from which the box `shape` is one run of memory under `strides` (every
+    dimension from it inward follows the next in row-major order; a dimension of one index always does)."""
+    step, first = 1, len(shape)
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] != 1 and strides[d] != step:
+            break
+        step *= shape[d]
+        first = d
+    return first
+
+
+def _runs(
+    box: Box, itemsize: int, src: Where, src_origin: Sequence[int], dst: Where, dst_origin: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """The box `box` (global) of a tensor held at `src` (its piece's global offset `src_origin`) and
+    wanted at `dst` (`dst_origin`) as runs of memory: (source address, target address, bytes), in
+    row-major order, one per contiguous innermost extent common to both (a Shard(0) box of contiguous
+    tensors: one run)."""
+    offset, shape = box
+    (s_at, s_strides), (d_at, d_strides) = src, dst
+    first = max(_dense_from(shape, s_strides), _dense_from(shape, d_strides))
+    length = math.prod(shape[first:]) * itemsize
+    s_at += itemsize * sum((o - b) * st for o, b, st in zip(offset, src_origin, s_strides))
+    d_at += itemsize * sum((o - b) * st for o, b, st in zip(offset, dst_origin, d_strides))
+    if first == 0:
+        return [(s_at, d_at, length)]
+    out = []
+    for index in itertools.product(*(range(n) for n in shape[:first])):
+        out.append(
+            (
+                s_at + itemsize * sum(i * st for i, st in zip(index, s_strides)),
+                d_at + itemsize * sum(i * st for i, st in zip(index, d_strides)),
+                length,
+            )
+        )
+    return out
+
+
+def _merge_runs(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """`pairs` (source address, target address, bytes) with each run that continues the one before it in
+    both memories joined to it."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in pairs:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+def _read_refusal(
+    me: int,
+    reaches: Sequence[Reach | None],
+    offers: Sequence[Sequence[Offer]],
+    holders: Sequence[Holder],
+    targets: Sequence[Piece],
+    wanted: Sequence[Region],
+    comm: Comm,
+    allowed: bool,
+) -> str | None:
+    """Why this rank cannot read what it may need from the holders' memory (None: it can): it was told
+    not to (`allowed` false), the communication device is not the CPU, the platform or Yama forbids it,
+    one of its targets or a holder's tensor is not a plain CPU tensor, or a holder's token does not read
+    back (another host, another pid namespace, no permission)."""
+    if not allowed:
+        return "cross_memory=False"
+    if comm.device.type != "cpu":
+        return f"the communication device is {comm.device}"
+    why = read_refusal()
+    if why is not None:
+        return why
+    for p, region in zip(targets, wanted):
+        if _where(p.local, region) is None and p.local.numel():
+            return (
+                f"its piece of {path_str(p.path)} is not a plain CPU tensor of the shape its mesh gives "
+                f"({p.local.device}, {tuple(p.local.shape)} for {region.shape})"
+            )
+    checked: set[int] = set()
+    for r, i in holders:
+        if r == me:
+            continue
+        reach = reaches[r]
+        if reach is None:
+            return f"rank {r} published no addresses"
+        for region, where in zip(offers[r][i].regions, reach.tensors[i]):
+            if where is None and _volume(region.shape):
+                return f"rank {r}'s piece of {path_str(region.path)} is not a plain CPU tensor"
+        if r not in checked:
+            checked.add(r)
+            why = can_read(reach.source)
+            if why is not None:
+                return f"rank {r}: {why}"
+    return None
+
+
+def _read_moves(
+    me: int,
+    moves: Sequence[Move],
+    reaches: Sequence[Reach | None],
+    offers: Sequence[Sequence[Offer]],
+    wanted: Sequence[Region],
+    targets: Sequence[Piece],
+) -> int:
+    """Read every move into this rank from its holder's memory straight into the target pieces (one
+    `read_regions` per holder); returns the bytes read."""
+    by_src: dict[int, list[tuple[int, int, int]]] = {}
+    index: dict[tuple[int, int], dict[Path, int]] = {}
+    for m in moves:
+        if m.dst != me or m.src == me:
+            continue
+        regions = offers[m.src][m.offer].regions
+        at = index.get((m.src, m.offer))
+        if at is None:
+            at = index[(m.src, m.offer)] = {reg.path: k for k, reg in enumerate(regions)}
+        region = wanted[m.key]
+        k = at[region.path]
+        reach = reaches[m.src]
+        assert reach is not None  # `_read_refusal` saw to it
+        where = reach.tensors[m.offer][k]
+        assert where is not None
+        if regions[k].dtype != region.dtype:
+            msg = (
+                f"rank {m.src} holds {path_str(region.path)} as {regions[k].dtype}, wanted as {region.dtype}"
+            )
+            raise ValueError(msg)
+        local = targets[m.key].local
+        dst = (local.data_ptr(), tuple(local.stride()))
+        by_src.setdefault(m.src, []).extend(
+            _runs(m.box, local.element_size(), where, regions[k].offset, dst, region.offset)
+        )
+    total = 0
+    for src, pairs in by_src.items():
+        joined = _merge_runs(pairs)
+        reach = reaches[src]
+        assert reach is not None
+        read_regions(reach.source.pid, [(d, n) for _, d, n in joined], [(s, n) for s, _, n in joined])
+        total += sum(n for _, _, n in joined)
+    return total
+
+
 @attrs.frozen
 class _Record:
+    """What each rank sends in the plan's all-gather: the regions it wants, whatever kept it from
+    preparing, why it cannot read the holders' memory (None: it can), and, from the sender, its plain
+    leaves and the new lineage token (cloudpickled; None when they are broadcast after the gather)."""
+
     wanted: tuple[Region, ...]
     error: str | None = None
+    refusal: str | None = None
+    objects: bytes | None = None
+    broadcast: bool = False
 
 
 class Filled(NamedTuple):
@@ -342,104 +542,228 @@ class Filled(NamedTuple):
     snapshot: bool
 
 
-def reshard(new_state: Any, held: Held | Sequence[Held] | None, group: Collective) -> Filled:
-    """Fill `new_state` (built on the new mesh) from what the ranks of `group` hold (`held`: this rank's
-    live pieces and snapshots, live first; None or empty for a newcomer), collectively."""
+def reshard(
+    new_state: Any, held: Held | Sequence[Held] | None, group: Collective, *, cross_memory: bool = True
+) -> Filled:
+    """Fill `new_state` (built on the new mesh) from what the ranks of `group` hold, collectively.
 
+    Every rank plans the same moves (`plan_moves`); regions a rank holds itself are copied locally
+    (nothing at all when its piece *is* the target: the same memory and box). The rest: when every rank
+    can (one host, CPU pieces, Yama and the tokens allow it, `cross_memory` on every rank), each receiver
+    reads its regions straight from the holders' memory into its target pieces (`read_regions`, one copy,
+    no buffer), and an all-reduce after the reads keeps the holders' tensors until then; else one
+    `all_to_all_single` of packed bytes (the reason in a debug log).
+
+    Args:
+        new_state: the sharded state built on the new mesh (its pieces are overwritten).
+        held: this rank's live pieces and snapshots, live first (None or empty for a newcomer).
+        group: the ranks of the new mesh.
+        cross_memory: False: this rank refuses to read the holders' memory (every rank then takes the
+            all-to-all).
+
+    Returns:
+        `Filled`: the elected tenure, the bytes this rank received, the sender of the plain leaves, and
+        whether the version came from snapshots only.
+
+    Raises:
+        SyncError: the same on every rank when no version is held whole, a rank could not prepare, or a
+            read failed; the new state is then left torn.
+    """
     comm = group.comm
+    me = group.rank
     mine = [h for h in ([held] if isinstance(held, Held) else held or ()) if h.tenure is not None]
-    offers: list[tuple[Offer, ...]] = group.gather(tuple(h.offer() for h in mine), "reshard-held")
+    reach = _reach(mine) if comm is not None and mine else None
+    rows: list[tuple[tuple[Offer, ...], Reach | None]] = group.gather(
+        (tuple(h.offer() for h in mine), reach), "reshard-held", inline=RECORD_BYTES
+    )
+    offers = [o for o, _ in rows]
+    reaches = [r for _, r in rows]
     tenure, holders = elect_held(offers)
     sender = min(r for r, _ in holders)
     from_snapshot = all(offers[r][i].snapshot for r, i in holders)
-    error = None
-    wanted: tuple[Region, ...] = ()
-    targets: list[Any] = []
+    record = _Record(wanted=())
+    targets: list[Piece] = []
     sd: dict[str, Any] = {}
+    objects: bytes | None = None
+    wanted: tuple[Region, ...] = ()
     try:
         entries = {h.path: (h.dtype, h.global_shape) for r, i in holders for h in offers[r][i].regions}
         with_state = _has_optimizer(entries) and not allocate_optimizer_state(new_state, entries)
         sd = sharded_state_dict(new_state, init_optimizers=with_state)
         targets = pieces(sd)
         wanted = tuple(region_of(p) for p in targets)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    records = group.gather(_Record(wanted=wanted, error=error), "reshard-plan")
-    raise_first(records, lambda r, e: SyncError(f"reshard: rank {r} could not prepare: {e}", phase="plan"))
-    moves = plan_moves([r.wanted for r in records], offers, holders)
-    me = group.rank
-    index = [{reg.path: k for k, reg in enumerate(h.regions)} for h in mine]
-    # Local copies, then one all-to-all of packed bytes for the rest. A local part that already is the
-    # target's memory (a state kept on the same mesh holds its own tensors) is not copied.
-    device = targets[0].local.device if targets else torch.device("cpu")
-    send: list[list[torch.Tensor]] = [[] for _ in range(group.world)]
-    recv_plan: list[list[Move]] = [[] for _ in range(group.world)]
-    local: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for m in moves:
-        if m.src == me:
-            h = mine[m.offer]
-            k = index[m.offer][records[m.dst].wanted[m.key].path]
-            part = h.tensors[k][_slices(m.box, h.regions[k].offset)]
-            if m.dst == me:
-                into = targets[m.key].local[_slices(m.box, wanted[m.key].offset)]
-                if not _same_memory(into, part):
-                    local.append((into, part))
-            else:  # a snapshot's part sits on the CPU: it travels on the pieces' device
-                send[m.dst].append(part.reshape(-1).contiguous().view(torch.uint8).to(device))
-        elif m.dst == me:
-            recv_plan[m.src].append(m)
-    if local or any(recv_plan):
-        set_lineage(new_state, token=None, torn=True)  # until every region is in
-    with torch.no_grad():
-        for into, part in local:
-            into.copy_(part)
-        received = 0
-        if comm is not None and any(m.src != m.dst for m in moves):
-            send_sizes = [sum(t.numel() for t in ts) for ts in send]
-            recv_sizes = [
-                sum(_volume(m.box[1]) * _itemsize(wanted[m.key].dtype) for m in ms) for ms in recv_plan
-            ]
-            out = (
-                torch.cat([t for ts in send for t in ts])
-                if sum(send_sizes)
-                else torch.empty(0, dtype=torch.uint8, device=device)
-            )
-            inp = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-            fault_point("reshard-pieces", me)  # local copies done, nothing received yet: half filled
-            comm.wait(
-                dist.all_to_all_single(inp, out, recv_sizes, send_sizes, group=comm.group, async_op=True),
-                "reshard-pieces",
-            )
-            at = 0
-            for ms in recv_plan:
-                for m in ms:
-                    target = targets[m.key].local
-                    region = wanted[m.key]
-                    n = _volume(m.box[1]) * target.element_size()
-                    chunk = inp[at : at + n].view(target.dtype).view(m.box[1])
-                    target[_slices(m.box, region.offset)].copy_(chunk)
-                    at += n
-            received = at
-        # The sender's plain leaves (of its first offer of the elected version).
-        token = uuid.uuid4().hex
-        plain = mine[min(i for r, i in holders if r == me)].plain if me == sender else None
+        refusal = None
         if comm is not None:
-            data = cloudpickle.dumps((plain, token)) if me == sender else None
-            plain, token = cloudpickle.loads(comm.broadcast_bytes(data, sender, "reshard-objects"))
-        apply_sharded(new_state, merge_plain(sd, plain))
+            refusal = _read_refusal(me, reaches, offers, holders, targets, wanted, comm, cross_memory)
+        if me == sender:  # its plain leaves (of its first offer of the elected version) and the new token
+            plain = mine[min(i for r, i in holders if r == me)].plain
+            objects = cloudpickle.dumps((plain, uuid.uuid4().hex))
+        inline = objects is not None and len(objects) <= OBJECTS_INLINE
+        record = _Record(
+            wanted,
+            refusal=refusal,
+            objects=objects if inline else None,
+            broadcast=objects is not None and not inline,
+        )
+    except Exception as exc:
+        record = _Record(wanted=(), error=f"{type(exc).__name__}: {exc}")
+    records = group.gather(record, "reshard-plan", inline=RECORD_BYTES)
+    raise_first(records, lambda r, e: SyncError(f"reshard: rank {r} could not prepare: {e}", phase="plan"))
+    payload = records[sender].objects
+    if records[sender].broadcast:
+        payload = objects if comm is None else comm.broadcast_bytes(objects, sender, "reshard-objects")
+    assert payload is not None  # the sender's record carries its objects, or it failed to prepare
+    refused = [(r, rec.refusal) for r, rec in enumerate(records) if rec.refusal is not None]
+    if comm is not None and refused:
+        log.debug("reshard: an all-to-all instead of reading the holders' memory: rank %d: %s", *refused[0])
+    with torch.no_grad():
+        if comm is None or refused:
+            moves = plan_moves([r.wanted for r in records], offers, holders)
+            _mark_torn(new_state, me, moves, mine, wanted, targets)
+            _copy_local(me, moves, mine, wanted, targets)
+            received = 0
+            if comm is not None and any(m.src != m.dst for m in moves):
+                received = _all_to_all(comm, me, moves, mine, records, targets)
+            token = _apply(new_state, sd, payload)
+        else:  # each rank plans, copies and reads what it receives alone; then every rank agrees
+            received, token, failure = 0, "", None
+            try:
+                moves = plan_moves([r.wanted for r in records], offers, holders, dsts=(me,))
+                _mark_torn(new_state, me, moves, mine, wanted, targets)
+                _copy_local(me, moves, mine, wanted, targets)
+                fault_point("reshard-pieces", me)  # local copies done, nothing received yet
+                received = _read_moves(me, moves, reaches, offers, wanted, targets)
+                token = _apply(new_state, sd, payload)
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            outcome = group.errors(failure, "reshard-filled")  # the holders keep their tensors until now
+
+            def fail(rank: int, error: str) -> SyncError:
+                msg = (
+                    f"reshard: rank {rank} could not fill its new pieces from the holders' memory: {error}. "
+                    "The new state is left torn and the holders keep their pieces: reshard again "
+                    "(elastic.run does with the next generation), or pass cross_memory=False to take "
+                    "the all-to-all"
+                )
+                return SyncError(msg, phase="pieces", op="reshard")
+
+            raise_first(outcome, fail, error_of=lambda e: e)
     set_lineage(new_state, token=token, torn=False)
     return Filled(tenure, received, sender, from_snapshot)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` are views of the same elements (copying one into the other changes nothing)."""
+#: The plan's all-gather takes one round when every rank's record pickles to less than this (the regions
+#: of a 21-layer model with Adam's moments, ~12 KB).
+RECORD_BYTES = 32 * 1024
+
+
+def _apply(new_state: Any, sd: dict[str, Any], payload: bytes) -> str:
+    """The sender's plain leaves (`payload`) put into `new_state` with its own pieces (modules of pieces
+    alone are kept: they are filled in place); returns the new lineage token."""
+    plain, token = cloudpickle.loads(payload)
+    apply_sharded(new_state, kept_modules(new_state, sd, plain))
+    return str(token)
+
+
+def _mark_torn(
+    new_state: Any,
+    me: int,
+    moves: Sequence[Move],
+    mine: Sequence[Held],
+    wanted: Sequence[Region],
+    targets: Sequence[Piece],
+) -> None:
+    """Mark `new_state` torn until every region is in, when anything is written into it: not when every
+    move into this rank is from the held tensor that *is* its target (a state kept on the same mesh: its
+    pieces, and so what it holds, stay intact if the fill fails)."""
+    for m in moves:
+        if m.dst != me:
+            continue
+        if m.src == me:
+            h = mine[m.offer]
+            k = next(j for j, reg in enumerate(h.regions) if reg.path == wanted[m.key].path)
+            if _same_memory(h.tensors[k], h.regions[k], targets[m.key].local, wanted[m.key]):
+                continue
+        set_lineage(new_state, token=None, torn=True)
+        return
+
+
+def _copy_local(
+    me: int, moves: Sequence[Move], mine: Sequence[Held], wanted: Sequence[Region], targets: Sequence[Piece]
+) -> None:
+    """The moves from this rank to itself, copied (none where the held tensor is the target: the same
+    memory and box, as when a state's pieces are held as they are)."""
+    index: dict[int, dict[Path, int]] = {}
+    for m in moves:
+        if m.src != me or m.dst != me:
+            continue
+        h = mine[m.offer]
+        at = index.get(m.offer)
+        if at is None:
+            at = index[m.offer] = {reg.path: k for k, reg in enumerate(h.regions)}
+        k = at[wanted[m.key].path]
+        source, target = h.tensors[k], targets[m.key].local
+        if _same_memory(source, h.regions[k], target, wanted[m.key]):
+            continue
+        target[_slices(m.box, wanted[m.key].offset)].copy_(source[_slices(m.box, h.regions[k].offset)])
+
+
+def _same_memory(a: torch.Tensor, at: Region, b: torch.Tensor, bt: Region) -> bool:
+    """Whether tensors `a` (the piece `at`) and `b` (`bt`) are one: the same memory, layout and box."""
     return (
-        a.device == b.device
+        a.data_ptr() == b.data_ptr()
         and a.dtype == b.dtype
-        and a.data_ptr() == b.data_ptr()
         and a.shape == b.shape
         and a.stride() == b.stride()
+        and at.offset == bt.offset
     )
+
+
+def _all_to_all(
+    comm: Comm,
+    me: int,
+    moves: Sequence[Move],
+    mine: Sequence[Held],
+    records: Sequence[_Record],
+    targets: Sequence[Piece],
+) -> int:
+    """The moves between ranks as one `all_to_all_single` of packed bytes; returns the bytes received."""
+    wanted = records[me].wanted
+    index = [{reg.path: k for k, reg in enumerate(h.regions)} for h in mine]
+    device = targets[0].local.device if targets else torch.device("cpu")
+    send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
+    recv_plan: list[list[Move]] = [[] for _ in range(comm.world_size)]
+    for m in moves:
+        if m.src == me and m.dst != me:
+            h = mine[m.offer]
+            k = index[m.offer][records[m.dst].wanted[m.key].path]
+            part = h.tensors[k][_slices(m.box, h.regions[k].offset)]
+            # a snapshot's part sits on the CPU: it travels on the pieces' device
+            send[m.dst].append(part.reshape(-1).contiguous().view(torch.uint8).to(device))
+        elif m.dst == me and m.src != me:
+            recv_plan[m.src].append(m)
+    send_sizes = [sum(t.numel() for t in ts) for ts in send]
+    recv_sizes = [sum(_volume(m.box[1]) * _itemsize(wanted[m.key].dtype) for m in ms) for ms in recv_plan]
+    out = (
+        torch.cat([t for ts in send for t in ts])
+        if sum(send_sizes)
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
+    inp = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    fault_point("reshard-pieces", me)  # local copies done, nothing received yet: half filled
+    comm.wait(
+        dist.all_to_all_single(inp, out, recv_sizes, send_sizes, group=comm.group, async_op=True),
+        "reshard-pieces",
+    )
+    at = 0
+    for ms in recv_plan:
+        for m in ms:
+            target = targets[m.key].local
+            n = _volume(m.box[1]) * target.element_size()
+            chunk = inp[at : at + n].view(target.dtype).view(m.box[1])
+            target[_slices(m.box, wanted[m.key].offset)].copy_(chunk)
+            at += n
+    return at
 
 
 def _itemsize(dtype: str) -> int:

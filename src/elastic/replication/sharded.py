@@ -33,16 +33,14 @@ from elastic.replication.transport.default import default_transport
 from elastic.replication.transport.protocol import Transport
 from elastic.state.config import StateConfig
 from elastic.state.lineage import lineage, set_lineage
-from elastic.state.nodes import Kind, Which, kind_of, path_str
+from elastic.state.nodes import Which, path_str
 from elastic.state.shards import (
-    KEEP,
-    PIECE,
     REPLICATE,
     Layout,
     Piece,
     apply_sharded,
+    kept_modules,
     layout_of,
-    merge_plain,
     mesh_of,
     pieces,
     plain_leaves,
@@ -515,7 +513,7 @@ def sync_sharded(
                     raise RuntimeError(problem or failures[0])
             # 3. The sender's objects.
             if applies:
-                apply_sharded(state, _kept_modules(state, sd, plain))
+                apply_sharded(state, kept_modules(state, sd, plain))
         except SyncError as exc:
             failure = str(exc)
         except Exception as exc:
@@ -545,22 +543,6 @@ class _Unsent:
     """What a sender that cannot pack its objects sends instead (every rank raises `why`)."""
 
     why: str
-
-
-def _kept_modules(state: Any, sd: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
-    """`sd` merged with the sender's `plain` leaves, with `KEEP` for each module field whose entries are
-    all pieces under this rank's own keys (its own, written in place already: nothing to load)."""
-    out = merge_plain(sd, plain)
-    for name, entry in plain.items():
-        if (
-            isinstance(entry, dict)
-            and all(v is PIECE for v in entry.values())
-            and isinstance(sd.get(name), dict)
-            and set(entry) == set(sd[name])
-            and kind_of(getattr(state, name, None)) == Kind.MODULE
-        ):
-            out[name] = KEEP
-    return out
 
 
 def _needed(piece: Piece, stateful: tuple[tuple[Any, bool], ...]) -> bool:

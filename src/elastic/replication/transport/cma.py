@@ -53,8 +53,11 @@ __all__ = [
     "CrossMemoryTransport",
     "SourceRef",
     "can_read",
+    "plain_cpu",
     "ptrace_refusal",
+    "read_refusal",
     "read_regions",
+    "source_ref",
     "yama_refusal",
 ]
 
@@ -158,6 +161,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_token.renew)
 
 
+def source_ref() -> SourceRef:
+    """Where receivers find this process's token (what a source publishes for `can_read`)."""
+    return _token.ref()
+
+
 #: Where Linux's Yama module says who may trace (and so read) whom, and the capability that overrides it.
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 CAP_SYS_PTRACE = 19
@@ -193,6 +201,14 @@ def ptrace_refusal() -> str | None:
             capabilities = 0
         _refusal.append(yama_refusal(scope, capabilities))
     return _refusal[0]
+
+
+def read_refusal() -> str | None:
+    """Why this process cannot read a sibling's memory at all (None: it may try, `can_read` tells per
+    source): the platform has no ``process_vm_readv``, or `ptrace_refusal`."""
+    if _process_vm_readv() is None:
+        return "this platform has no process_vm_readv"
+    return ptrace_refusal()
 
 
 def read_regions(pid: int, dests: list[tuple[int, int]], regions: list[tuple[int, int]]) -> None:
@@ -252,12 +268,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def plain_cpu(t: torch.Tensor) -> bool:
+    """Whether `t` is a CPU tensor whose bytes are its values in order (contiguous, no lazy conjugate or
+    negation): what a receiver may read from, or into, by address."""
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def _regions(tensors: list[torch.Tensor]) -> list[tuple[int, int]] | None:
-    """Each tensor's address and length in bytes (one pass: ~1 us a tensor), or None when one is not a
-    plain CPU tensor (its bytes not its values in order: non-contiguous, a lazy conjugate or negation)."""
+    """Each tensor's address and length in bytes (one pass: ~1 us a tensor), or None when one is not
+    `plain_cpu`."""
     out = []
     for t in tensors:
-        if not (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+        if not plain_cpu(t):
             return None
         out.append((t.data_ptr(), t.nbytes))
     return out
@@ -285,9 +307,7 @@ class CrossMemoryTransport:
         total = sum(length for _, length in regions)
         if total == 0 or total < self.min_bytes:
             return f"{total} bytes to move, fewer than min_bytes={self.min_bytes}"
-        if _process_vm_readv() is None:
-            return "this platform has no process_vm_readv"
-        return ptrace_refusal()
+        return read_refusal()
 
     def plan(self, tensors: list[torch.Tensor], comm: Comm) -> CmaPlan:
         """Where the receivers read the source's tensors (``source=None``: this transfer takes the
@@ -298,7 +318,7 @@ class CrossMemoryTransport:
             log.debug("cross-memory transport: %s instead, %s", type(self.fallback).__name__, why)
             return CmaPlan(None, (), self.fallback.plan(tensors, comm))
         assert regions is not None
-        return CmaPlan(_token.ref(), tuple(regions))
+        return CmaPlan(source_ref(), tuple(regions))
 
     def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
         """Where a receiver allocates a tensor it lacks (the fallback's choice)."""
@@ -404,14 +424,7 @@ def _read_into(
         length = regions[i][1]
         if not length:
             continue
-        if (
-            t.is_cpu
-            and t.dtype == meta.dtype
-            and t.nbytes == length
-            and t.is_contiguous()
-            and not t.is_conj()
-            and not t.is_neg()
-        ):
+        if t.dtype == meta.dtype and t.nbytes == length and plain_cpu(t):
             direct.append(i)
         else:
             staged.append(i)
