@@ -29,7 +29,7 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -236,16 +236,16 @@ def elect_held(offers: Sequence[Sequence[Offer]]) -> tuple[Any, list[Holder]]:
 
 
 def plan_moves(
-    wanted: Sequence[Sequence[Region]],
+    wanted: Sequence[Sequence[Region]] | Mapping[int, Sequence[Region]],
     offers: Sequence[Sequence[Offer]],
     holders: Sequence[Holder],
     dsts: Sequence[int] | None = None,
 ) -> list[Move]:
-    """The moves that fill every rank's `wanted` regions (only the ranks `dsts`, when given) from the
-    `holders`' offers: each region from one holder, the destination itself when it holds it, else one of
-    the holding ranks, in turn over destinations and tensors (a rank's first offer holding a region: its
-    live pieces before its snapshots). The choice for one destination depends on nothing else, so every
-    rank plans the same moves into it."""
+    """The moves that fill every rank's `wanted` regions (only the ranks `dsts`, when given: then `wanted`
+    may hold theirs alone) from the `holders`' offers: each region from one holder, the destination
+    itself when it holds it, else one of the holding ranks, in turn over destinations and tensors (a
+    rank's first offer holding a region: its live pieces before its snapshots). The moves into one
+    destination depend on nothing else, so every rank plans the same moves into it."""
     moves: list[Move] = []
     held_boxes: dict[Path, dict[Box, dict[int, int]]] = {}  # per tensor, the distinct boxes: rank -> offer
     for r, i in holders:
@@ -519,12 +519,15 @@ def _read_moves(
 
 @attrs.frozen
 class _Record:
-    """What each rank sends in the plan's all-gather: the regions it wants, whatever kept it from
-    preparing, why it cannot read the holders' memory (None: it can), and, from the sender, its plain
-    leaves and the new lineage token (cloudpickled; None when they are broadcast after the gather)."""
+    """What each rank sends in the plan's all-gather, once it has copied and read what it could: the
+    regions it wants, whatever kept it from preparing (`error`) or from filling them (`failure`), why it
+    did not read from the holders' memory (`refusal`, None: it read every region it receives), and, from
+    the sender, its plain leaves and the new lineage token (cloudpickled; None when they are broadcast
+    after the gather)."""
 
     wanted: tuple[Region, ...]
     error: str | None = None
+    failure: str | None = None
     refusal: str | None = None
     objects: bytes | None = None
     broadcast: bool = False
@@ -547,18 +550,19 @@ def reshard(
 ) -> Filled:
     """Fill `new_state` (built on the new mesh) from what the ranks of `group` hold, collectively.
 
-    Every rank plans the same moves (`plan_moves`); regions a rank holds itself are copied locally
-    (nothing at all when its piece *is* the target: the same memory and box). The rest: when every rank
-    can (one host, CPU pieces, Yama and the tokens allow it, `cross_memory` on every rank), each receiver
-    reads its regions straight from the holders' memory into its target pieces (`read_regions`, one copy,
-    no buffer), and an all-reduce after the reads keeps the holders' tensors until then; else one
-    `all_to_all_single` of packed bytes (the reason in a debug log).
+    After the all-gather of what every rank holds (and where, in its memory), each rank plans the moves
+    into its own pieces (`plan_moves`: every rank would plan the same), copies the regions it holds itself
+    (nothing at all where its held piece *is* the target: the same memory and box) and, where it can (one
+    host, CPU pieces, Yama and the holders' tokens allow it, `cross_memory`), reads the others straight
+    from the holders' memory into its pieces (`read_regions`: one copy, no buffer). The plan's all-gather
+    then tells every rank who could not read (those receive by one `all_to_all_single` of packed bytes,
+    the reason in a debug log) and keeps the holders' tensors until every read is done.
 
     Args:
         new_state: the sharded state built on the new mesh (its pieces are overwritten).
         held: this rank's live pieces and snapshots, live first (None or empty for a newcomer).
         group: the ranks of the new mesh.
-        cross_memory: False: this rank refuses to read the holders' memory (every rank then takes the
+        cross_memory: False: this rank does not read the holders' memory (it receives by the
             all-to-all).
 
     Returns:
@@ -581,88 +585,82 @@ def reshard(
     tenure, holders = elect_held(offers)
     sender = min(r for r, _ in holders)
     from_snapshot = all(offers[r][i].snapshot for r, i in holders)
-    record = _Record(wanted=())
     targets: list[Piece] = []
     sd: dict[str, Any] = {}
     objects: bytes | None = None
     wanted: tuple[Region, ...] = ()
-    try:
-        entries = {h.path: (h.dtype, h.global_shape) for r, i in holders for h in offers[r][i].regions}
-        with_state = _has_optimizer(entries) and not allocate_optimizer_state(new_state, entries)
-        sd = sharded_state_dict(new_state, init_optimizers=with_state)
-        targets = pieces(sd)
-        wanted = tuple(region_of(p) for p in targets)
-        refusal = None
-        if comm is not None:
-            refusal = _read_refusal(me, reaches, offers, holders, targets, wanted, comm, cross_memory)
-        if me == sender:  # its plain leaves (of its first offer of the elected version) and the new token
-            plain = mine[min(i for r, i in holders if r == me)].plain
-            objects = cloudpickle.dumps((plain, uuid.uuid4().hex))
-        inline = objects is not None and len(objects) <= OBJECTS_INLINE
-        record = _Record(
-            wanted,
-            refusal=refusal,
-            objects=objects if inline else None,
-            broadcast=objects is not None and not inline,
-        )
-    except Exception as exc:
-        record = _Record(wanted=(), error=f"{type(exc).__name__}: {exc}")
-    records = group.gather(record, "reshard-plan", inline=RECORD_BYTES)
-    raise_first(records, lambda r, e: SyncError(f"reshard: rank {r} could not prepare: {e}", phase="plan"))
-    payload = records[sender].objects
-    if records[sender].broadcast:
-        payload = objects if comm is None else comm.broadcast_bytes(objects, sender, "reshard-objects")
-    assert payload is not None  # the sender's record carries its objects, or it failed to prepare
-    refused = [(r, rec.refusal) for r, rec in enumerate(records) if rec.refusal is not None]
-    if comm is not None and refused:
-        log.debug("reshard: an all-to-all instead of reading the holders' memory: rank %d: %s", *refused[0])
+    refusal: str | None = "no other rank" if comm is None else None
+    received = 0
     with torch.no_grad():
-        if comm is None or refused:
-            moves = plan_moves([r.wanted for r in records], offers, holders)
-            _mark_torn(new_state, me, moves, mine, wanted, targets)
-            _copy_local(me, moves, mine, wanted, targets)
-            received = 0
-            if comm is not None and any(m.src != m.dst for m in moves):
-                received = _all_to_all(comm, me, moves, mine, records, targets)
-            token = _apply(new_state, sd, payload)
-        else:  # each rank plans, copies and reads what it receives alone; then every rank agrees
-            received, token, failure = 0, "", None
-            try:
-                moves = plan_moves([r.wanted for r in records], offers, holders, dsts=(me,))
-                _mark_torn(new_state, me, moves, mine, wanted, targets)
+        try:
+            entries = {h.path: (h.dtype, h.global_shape) for r, i in holders for h in offers[r][i].regions}
+            with_state = _has_optimizer(entries) and not allocate_optimizer_state(new_state, entries)
+            sd = sharded_state_dict(new_state, init_optimizers=with_state)
+            targets = pieces(sd)
+            wanted = tuple(region_of(p) for p in targets)
+            if comm is not None:
+                refusal = _read_refusal(me, reaches, offers, holders, targets, wanted, comm, cross_memory)
+            if me == sender:  # its plain leaves (its first offer of the elected version) and the new token
+                plain = mine[min(i for r, i in holders if r == me)].plain
+                objects = cloudpickle.dumps((plain, uuid.uuid4().hex))
+        except Exception as exc:
+            record = _Record(wanted=(), error=f"{type(exc).__name__}: {exc}")
+        else:
+            inline = objects is not None and len(objects) <= OBJECTS_INLINE
+            record = _Record(
+                wanted,
+                refusal=refusal,
+                objects=objects if inline else None,
+                broadcast=objects is not None and not inline,
+            )
+            try:  # what this rank fills alone: its local copies, then its reads
+                moves = plan_moves({me: wanted}, offers, holders, dsts=(me,))
+                _mark_torn(new_state, me, moves, mine, wanted, targets)  # until every region is in
                 _copy_local(me, moves, mine, wanted, targets)
-                fault_point("reshard-pieces", me)  # local copies done, nothing received yet
-                received = _read_moves(me, moves, reaches, offers, wanted, targets)
-                token = _apply(new_state, sd, payload)
+                if refusal is None:
+                    fault_point("reshard-pieces", me)  # local copies done, nothing received yet
+                    received = _read_moves(me, moves, reaches, offers, wanted, targets)
             except Exception as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-            outcome = group.errors(failure, "reshard-filled")  # the holders keep their tensors until now
-
-            def fail(rank: int, error: str) -> SyncError:
-                msg = (
-                    f"reshard: rank {rank} could not fill its new pieces from the holders' memory: {error}. "
-                    "The new state is left torn and the holders keep their pieces: reshard again "
-                    "(elastic.run does with the next generation), or pass cross_memory=False to take "
-                    "the all-to-all"
-                )
-                return SyncError(msg, phase="pieces", op="reshard")
-
-            raise_first(outcome, fail, error_of=lambda e: e)
+                record = attrs.evolve(record, failure=f"{type(exc).__name__}: {exc}")
+        records = group.gather(record, "reshard-plan", inline=RECORD_BYTES)  # after every read
+        raise_first(
+            records, lambda r, e: SyncError(f"reshard: rank {r} could not prepare: {e}", phase="plan")
+        )
+        raise_first(records, _fill_failed, lambda rec: rec.failure)
+        payload = records[sender].objects
+        if records[sender].broadcast:
+            payload = objects if comm is None else comm.broadcast_bytes(objects, sender, "reshard-objects")
+        assert payload is not None  # the sender's record carries its objects, or it failed to prepare
+        refused = [r for r, rec in enumerate(records) if rec.refusal is not None]
+        if comm is not None and refused:
+            log.debug(
+                "reshard: rank(s) %s receive by an all-to-all instead of reading the holders' memory: "
+                "rank %d: %s",
+                refused,
+                refused[0],
+                records[refused[0]].refusal,
+            )
+            moves = plan_moves([r.wanted for r in records], offers, holders, dsts=refused)
+            if any(m.src != m.dst for m in moves):
+                received += _all_to_all(comm, me, moves, mine, records, targets)
+        plain, token = cloudpickle.loads(payload)
+        apply_sharded(new_state, kept_modules(new_state, sd, plain))
     set_lineage(new_state, token=token, torn=False)
     return Filled(tenure, received, sender, from_snapshot)
 
 
-#: The plan's all-gather takes one round when every rank's record pickles to less than this (the regions
-#: of a 21-layer model with Adam's moments, ~12 KB).
+def _fill_failed(rank: int, error: str) -> SyncError:
+    msg = (
+        f"reshard: rank {rank} could not fill its new pieces from the holders' memory: {error}. The new "
+        "state is left torn and the holders keep their pieces: reshard again (elastic.run does with the "
+        "next generation), or pass cross_memory=False to take the all-to-all"
+    )
+    return SyncError(msg, phase="pieces", op="reshard")
+
+
+#: The all-gathers take one round when every rank's record pickles to less than this (the regions of a
+#: 21-layer model with Adam's moments, ~12 KB).
 RECORD_BYTES = 32 * 1024
-
-
-def _apply(new_state: Any, sd: dict[str, Any], payload: bytes) -> str:
-    """The sender's plain leaves (`payload`) put into `new_state` with its own pieces (modules of pieces
-    alone are kept: they are filled in place); returns the new lineage token."""
-    plain, token = cloudpickle.loads(payload)
-    apply_sharded(new_state, kept_modules(new_state, sd, plain))
-    return str(token)
 
 
 def _mark_torn(
