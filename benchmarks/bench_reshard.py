@@ -8,7 +8,7 @@ of the slower rank's time):
 
 - reshard: a state built on the 1x3 mesh as `elastic.run` builds one (meta device, `fully_shard`,
   `to_empty`: no values, no optimizer states), untimed; then, timed, `hold` of the 2x2 state's pieces and
-  `reshard` of them into the new state (plan, local copies, one `all_to_all_single`, the objects). Its
+  `reshard` of them into the new state (plan, local copies, reads from the holders' memory, the objects). Its
   pieces are checked against the old state's afterwards (the first round: every tensor's whole value,
   gathered on both meshes; later rounds: equal to the first round's pieces);
 - floor: one `all_to_all_single` between ranks 0-2 moving the bytes the reshard moves between the same

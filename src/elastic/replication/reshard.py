@@ -6,12 +6,12 @@ and shape DTensor's own placement rules give, `compute_local_shape_and_global_of
 a state built on the new mesh: one all-gather tells every rank what everybody holds; every rank plans the
 same moves from it (each region of a new piece comes from one holder of the elected version, itself when it
 can, else holders taken in turn); regions a rank holds itself are copied locally (not at all where its held
-piece *is* its target). Every other byte changes rank exactly once: when every rank runs on one host with
-its pieces on the CPU (and Yama lets siblings read each other), each receiver reads its regions straight
-from the holders' memory into its new pieces (``process_vm_readv``, as the cross-memory transport does:
-the addresses ride in the first all-gather, the agreement in the second, one all-reduce after the reads
-keeps the holders' tensors until then); else one `all_to_all_single` of packed bytes. Nothing touches a
-disk.
+piece *is* its target). Every other byte changes rank exactly once: on one host with the pieces on the CPU
+(and Yama letting siblings read each other), each receiver reads its regions straight from the holders'
+memory into its new pieces (``process_vm_readv``, as the cross-memory transport does: the addresses ride
+in the first all-gather; each rank enters the second, the plan's, once its reads are done, so it keeps the
+holders' tensors until then and tells who could not read); the ranks that cannot receive by one
+`all_to_all_single` of packed bytes. Nothing touches a disk.
 
 What a rank offers is a list of `Held`: its live pieces (the state of the generation that ended) and its
 complete in-memory snapshots (`elastic.replication.snapshot`: its own pieces at an older tenure and a peer's
