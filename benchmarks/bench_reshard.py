@@ -13,6 +13,9 @@ of the slower rank's time):
   gathered on both meshes; later rounds: equal to the first round's pieces);
 - floor: one `all_to_all_single` between ranks 0-2 moving the bytes the reshard moves between the same
   pairs (sizes from the same plan), into buffers allocated and touched beforehand;
+- fresh: the same `all_to_all_single` into an output allocated (untimed) just before and never touched,
+  as the pieces `build` allocates are: its first writes fault the pages in, as the reshard's do (not a
+  target; it shows what first-touch costs on this machine);
 - DCP: `dcp.save` of the 2x2 state (``get_model_state_dict``/``get_optimizer_state_dict``, four ranks)
   into ``/dev/shm``, then `dcp.load` of it by ranks 0-2 into a 1x3 state (built with Adam's moments, as
   DCP needs) and ``set_model_state_dict``/``set_optimizer_state_dict``; its pieces must equal the
@@ -151,6 +154,10 @@ def rounds_on_four(rank: int, mib: int, rounds: int, tmp: str) -> dict[str, Any]
         if alive:
             dist.all_to_all_single(dst, src, recv, send, group=sub)
 
+    def fresh_call() -> Any:
+        if alive:
+            dist.all_to_all_single(keep["dst"], src, recv, send, group=sub)
+
     path = f"{tmp}/dcp"
 
     def dcp_call() -> Any:
@@ -172,6 +179,8 @@ def rounds_on_four(rank: int, mib: int, rounds: int, tmp: str) -> dict[str, Any]
         rss = status_kib("VmRSS")
         if key == "reshard" and alive:
             keep["new"] = build_empty(mesh3, mib)
+        if key == "fresh" and alive:
+            keep["dst"] = torch.empty(sum(recv), dtype=torch.uint8)
         if key == "dcp" and alive:
             assert dcp_state is not None
             perturb(dcp_state)
@@ -192,6 +201,8 @@ def rounds_on_four(rank: int, mib: int, rounds: int, tmp: str) -> dict[str, Any]
                 reference.extend(t.clone() for t in now)
             check(all(torch.equal(a, b) for a, b in zip(reference, now, strict=True)), "reshard differs")
             keep.clear()
+        if key == "fresh":
+            keep.clear()
         if key == "dcp":
             assert dcp_state is not None
             same = all(torch.equal(a, b) for a, b in zip(reference, pieces(dcp_state), strict=True))
@@ -199,7 +210,7 @@ def rounds_on_four(rank: int, mib: int, rounds: int, tmp: str) -> dict[str, Any]
         if key == "dcp" and rank == 0:
             shutil.rmtree(path, ignore_errors=True)  # before the next call's barrier
 
-    calls = {"reshard": reshard_call, "floor": floor_call, "dcp": dcp_call}
+    calls = {"reshard": reshard_call, "floor": floor_call, "fresh": fresh_call, "dcp": dcp_call}
     order = list(calls)
     results: dict[str, dict[str, list[float]]] = {k: {"seconds": [], "peak": []} for k in calls}
     for r in range(rounds + 1):
@@ -355,18 +366,18 @@ def summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "moved_mib": sum(r["moved"] for r in alive) / MiB,
         "bound_mib": max(r["old"] + r["new"] for r in alive) / MiB,
     }
-    for key in ("reshard", "floor", "dcp"):
+    for key in ("reshard", "floor", "fresh", "dcp"):
         ranks = per_rank if key == "dcp" else alive
         seconds = [max(ts) for ts in zip(*(r["rows"][key]["seconds"] for r in ranks), strict=True)]
         peak = max(max(r["rows"][key]["peak"]) for r in ranks)
         out[key] = {"seconds": seconds, "median": statistics.median(seconds), "peak_mib": peak / MiB}
-    for key in ("floor", "dcp"):
+    for key in ("floor", "fresh", "dcp"):
         out[f"ratio_{key}"] = out["reshard"]["median"] / out[key]["median"]
     return out
 
 
 def table(res: dict[str, Any], kills: dict[str, dict[str, Any]]) -> str:
-    r, f, d = res["reshard"], res["floor"], res["dcp"]
+    r, f, d, fresh = res["reshard"], res["floor"], res["dcp"], res["fresh"]
     lines = [
         "| row | ranks | median | ratio | target | peak extra MiB per rank |",
         "|---|---:|---:|---:|---:|---:|",
@@ -374,6 +385,9 @@ def table(res: dict[str, Any], kills: dict[str, dict[str, Any]]) -> str:
         f"| {r['peak_mib']:.1f} (bound: old {res['old_mib']:.1f} + new {res['new_mib']:.1f}) |",
         f"| one `all_to_all_single` of the same bytes ({res['moved_mib']:.1f} MiB) | 3 | {f['median']:.3f} s "
         f"| {res['ratio_floor']:.2f}x | <= {TARGETS['floor']}x | {f['peak_mib']:.1f} |",
+        "| the same `all_to_all_single` into buffers allocated just before, untouched (as `build`'s "
+        "pieces are) "
+        f"| 3 | {fresh['median']:.3f} s | {res['ratio_fresh']:.2f}x | | {fresh['peak_mib']:.1f} |",
         f"| `dcp.save` (2x2) + `dcp.load` (1x3) + `set_state_dict`, /dev/shm | 4 -> 3 | {d['median']:.3f} s "
         f"| {res['ratio_dcp']:.2f}x | <= {TARGETS['dcp']}x | {d['peak_mib']:.1f} |",
     ]
@@ -389,7 +403,8 @@ def table(res: dict[str, Any], kills: dict[str, dict[str, Any]]) -> str:
         parts = (
             f"regroup {m['regroup']:.2f} + build {m['build']:.2f} + fill {m['fill']:.2f} + first step "
             f"{m['step']:.2f} s; a step otherwise {steady:.2f} s, so {m['total'] - steady:.2f} s beyond one; "
-            f"{m['kept']:.0f} members kept their state"
+            f"{m['kept']:.0f} members kept their state; training resumes {m['total'] - m['step']:.2f} s "
+            "after the kill"
         )
         lines.append(
             f"| {label} ({len(k['samples'])} kills; {parts}) | {'5' if key == 'kill-spare' else '4'} "
@@ -428,9 +443,15 @@ def main() -> None:
         ("reshard / floor", res["ratio_floor"], TARGETS["floor"]),
         ("reshard / DCP", res["ratio_dcp"], TARGETS["dcp"]),
     ]
+    print(f"reshard / the floor into untouched buffers: {res['ratio_fresh']:.2f}")
     verdicts += [(key, k["median"]["total"], TARGETS[key]) for key, k in kills.items() if k["median"]]
     for name, value, target in verdicts:
         print(f"{name}: {value:.2f}, target <= {target} {'holds' if value <= target else 'MISSED'}")
+    for key, k in kills.items():
+        if k["median"]:
+            m = k["median"]
+            resumes = m["total"] - m["step"]
+            print(f"{key}: training resumes {resumes:.2f} s after the kill (its first step begins)")
     print(
         f"peak extra of the reshard: {res['reshard']['peak_mib']:.1f} MiB, bound {res['bound_mib']:.1f} MiB"
     )
