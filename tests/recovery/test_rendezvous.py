@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed
 
 import elastic.recovery.rendezvous as rendezvous
 from elastic import ElasticError
@@ -386,12 +387,21 @@ def test_a_participant_without_progress_stops_beating_and_the_store_loss_is_soft
             if b.alive() == {"b"}:
                 break
         assert b.alive() == {"b"}  # a's thread stopped beating: no progress for `timeout` (hung)
+        deadline = time.monotonic() + 5
+        while b.expired() != ["a"] and time.monotonic() < deadline:  # b's heartbeat thread's reading
+            b.progress()
+            time.sleep(0.05)
+        assert b.expired() == ["a"] and a.expired() == []  # what the watch ends collectives on
         a.progress()
         deadline = time.monotonic() + 5
         while b.alive() != {"a", "b"} and time.monotonic() < deadline:
             b.progress()
             time.sleep(0.05)
         assert b.alive() == {"a", "b"}  # progress again: beating again
+        deadline = time.monotonic() + 5
+        while b.expired() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.expired() == []
         assert not a.pending() and not b.pending()
         a.announce()
         deadline = time.monotonic() + 5
@@ -401,6 +411,8 @@ def test_a_participant_without_progress_stops_beating_and_the_store_loss_is_soft
         del server  # the store dies: pending() and alive() fail soft, join() raises naming it
         time.sleep(0.3)
         assert b.pending() is True and isinstance(b.alive(), set)
+        time.sleep(3 * b.expiry)  # no reading since: judged at the last one, where a was beating
+        assert b.expired() == []
         with pytest.raises(ElasticError, match=r"store at 127\.0\.0\.1:\d+ has been unreachable"):
             b.join()
     finally:
@@ -468,3 +480,26 @@ def test_with_a_mesh_survivors_keep_their_ranks_and_newcomers_fill_the_free_ones
     # spares beyond the mesh are left out, previous members first
     log = Log(joined=("0.h-0", "5.h-5", "1.h-1", "2.h-2", "3.h-3", "4.h-4"))
     assert _decide(prev, log, **mesh) == prev
+
+
+def test_expired_is_judged_at_the_heartbeat_threads_readings_not_now() -> None:
+    rdzv = rendezvous.Rendezvous(
+        torch.distributed.HashStore(),
+        "unit",
+        "me",
+        timeout=timedelta(seconds=5),
+        join_timeout=timedelta(seconds=5),
+    )
+    rdzv._members = ("me", "slow", "quiet")
+    t0 = time.monotonic()
+    rdzv._seen = {
+        "slow": rendezvous._Seen(7, t0 - 0.1, confirmed=True),
+        "quiet": rendezvous._Seen(3, t0 - 10 * rdzv.expiry, confirmed=True),
+    }
+    assert rdzv.expired() == []  # never read: nobody is judged
+    rdzv._observed_at = t0
+    assert rdzv.expired() == ["quiet"]  # unchanged for longer than `expiry` at the last reading
+    rdzv._observed_at = t0 + rdzv.expiry + 1  # read again later, "slow" had not changed either
+    assert rdzv.expired() == ["slow", "quiet"]
+    rdzv._members = ("me", "slow")  # only members of the current generation count
+    assert rdzv.expired() == ["slow"]

@@ -265,8 +265,10 @@ def test_hung_worker_rejoins_a_raising_worker_restarts_a_sigterm_leaves(tmp_path
         Event(slot=2, life=0, step=25, what="raise", recovered=1),
         Event(slot=0, life=0, step=45, what="sigterm", recovered=2),
     ]
+    # timeout=60: the survivors block in the hung worker's all-reduce; only the watch (its heartbeat
+    # expired) ends that collective within the 9 s it is stopped, so that they train on without it
     results = elastic.spawn(
-        worker, 3, args=(str(tmp_path), "hang", events, 4.0), restart="worker", max_restarts=1, timeout=110
+        worker, 3, args=(str(tmp_path), "hang", events, 60.0), restart="worker", max_restarts=1, timeout=110
     )
     assert results[0] is None  # SIGTERM: run returned None there
     raised = (tmp_path / "raised-2-0").read_text()

@@ -414,6 +414,7 @@ class Rendezvous:
         self._beat_store: dist.Store | None = None
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
+        self._observed_at: float | None = None  # the last successful read of the heartbeat counters
         self._space = process_space()
         #: participant -> its pid when it runs in this process space (same boot, same pid namespace), or
         #: None when it runs elsewhere; participants not yet looked up are absent
@@ -560,6 +561,28 @@ class Rendezvous:
             fresh.add(self.participant)
         return fresh
 
+    def expired(self) -> list[str]:
+        """The other members of the current generation that are gone as this participant last saw them:
+        their process exited (same host), or their counter had not changed for `expiry` when the heartbeat
+        thread last read the counters. Reads no store. Judged at the reads, not now: a participant whose
+        own heartbeat thread was held up (the GIL, an unreachable store) sees nobody expire until it reads
+        again, so it never blames its peers for its own stall."""
+        with self._lock:
+            members, observed = self._members, self._observed_at
+            seen = dict(self._seen)
+        out = []
+        for p in members:
+            if p == self.participant:
+                continue
+            pid = self._pids.get(p)
+            if pid is not None and not running(pid):
+                out.append(p)
+                continue
+            last = seen.get(p)
+            if last is not None and observed is not None and observed - last.changed > self.expiry:
+                out.append(p)
+        return out
+
     def leave(self) -> None:
         """A planned departure: the others end the generation at their next check and go on without it."""
         self._left = True
@@ -634,6 +657,7 @@ class Rendezvous:
         values = store.multi_get([hb_key(p) for p in names])
         now = time.monotonic()
         with self._lock:
+            self._observed_at = now
             for p, raw in zip(names, values):
                 counter = int(raw.decode() or 0)
                 seen = self._seen.get(p)

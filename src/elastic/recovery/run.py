@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from elastic._util.errors import ElasticError, SyncError
+from elastic._util.sockets import Sockets
 from elastic._util.timeouts import as_timedelta
 from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
@@ -616,49 +617,77 @@ def _strip(exc: BaseException) -> None:
         del tb
 
 
-class _NcclWatch(threading.Thread):
-    """NCCL only (untested here, no GPU): abort the group from the side when a peer is gone.
+class _Watch(threading.Thread):
+    """While a generation runs, end its blocked collectives as soon as a peer is judged gone.
 
-    A NCCL collective waiting for a dead or hung peer blocks in a CUDA kernel, where neither the gloo-style
-    error of a closed socket nor a timeout of ours reaches it (NCCL's own watchdog fires after the group's
-    timeout, which `_new_group` sets to twice ours so that this thread acts first). While a generation
-    runs, this thread polls the rendezvous every 0.1 s and, as soon as a member's heartbeat stopped or a
-    member announced the end of the generation, aborts the group (``ncclCommAbort`` on every
-    communicator): the blocked collective then raises in the main thread, where `_judge` finds the
-    same evidence and `run` regroups.
+    A collective waiting for a dead, cut-off or hung peer otherwise waits for the group's timeout: gloo
+    blocks in its pairs (and its ``abort()`` does not unblock them, pytorch#130345), NCCL in a CUDA
+    kernel. Every `PERIOD` this thread asks the rendezvous which members' heartbeats expired (`expired`:
+    no store read, the heartbeat thread's last reading) and, at the first such member:
+
+    - gloo: shuts down the TCP connections this process opened for the generation (`Sockets`: every
+      group of it, the mesh's too; the store's connections and listening sockets stay). The blocked
+      collective raises ``Connection closed by peer`` at once, and so do the collectives of the peers at
+      the other end, which regroup without waiting for their own watch;
+    - NCCL (untested here, no GPU): aborts the group (``ncclCommAbort``); it also acts on a member's
+      failure record or announcement, since an aborted communicator tells its peers nothing.
+
+    The blocked call then raises in the main thread, where `_judge` finds the same evidence (the expired
+    heartbeat) and `run` regroups. A live peer that makes progress keeps heartbeating, so `timeout` stays
+    the bound for one that is alive but silent.
     """
 
     PERIOD = 0.1
 
-    def __init__(self, rdzv: Any, gen: _Generation, group: Any) -> None:
-        super().__init__(daemon=True, name=f"elastic-nccl-watch-{gen.membership.generation}")
+    def __init__(self, rdzv: Any, gen: _Generation, group: Any, sockets: Sockets | None) -> None:
+        super().__init__(daemon=True, name=f"elastic-watch-{gen.membership.generation}")
         self._rdzv = rdzv
         self._gen = gen
         self._group = group
-        self._stop = threading.Event()
+        self._sockets = sockets
+        self._halt = threading.Event()
+        #: what ended the generation from here, once it did (for tests and the log)
+        self.fired: str | None = None
 
     def run(self) -> None:
-        members = self._gen.membership.members
-        me = self._gen.membership.rank
-        while not self._stop.wait(self.PERIOD):
+        members = list(self._gen.membership.members)
+        while not self._halt.wait(self.PERIOD):
             try:
-                alive = self._rdzv.alive()
-                gone = [r for r, m in enumerate(members) if m not in alive and r != me]
-                if gone or self._gen.announced() or self._gen.records():
-                    log.warning(
-                        "generation %d: aborting the NCCL group (a peer is gone)",
-                        self._gen.membership.generation,
-                    )
-                    self._group.abort()
+                why = self._evidence(members)
+                if why is None:
+                    continue
+                if self._halt.is_set():
                     return
+                self.fired = why
+                self._end(why)
+                return
             except Exception as exc:  # the watch must never kill the worker
-                log.debug("nccl watch: %s", exc)
+                log.debug("watch: %s", exc)
+
+    def _evidence(self, members: list[str]) -> str | None:
+        gone = self._rdzv.expired()
+        if gone:
+            return f"{ranks_str(sorted(members.index(p) for p in gone if p in members))} stopped heartbeating"
+        if self._sockets is None and (self._gen.announced() or self._gen.records()):
+            return "a member's collective failed"
+        return None
+
+    def _end(self, why: str) -> None:
+        generation = self._gen.membership.generation
+        if self._sockets is None:
+            log.warning("generation %d: aborting the NCCL group (%s)", generation, why)
+            self._group.abort()
+            return
+        n = self._sockets.shutdown()
+        log.warning(
+            "generation %d: %s; ending its collectives (%d connection(s) shut down)", generation, why, n
+        )
 
     @staticmethod
-    def stop(watch: _NcclWatch | None) -> None:
+    def stop(watch: _Watch | None) -> None:
         if watch is not None:
-            watch._stop.set()
-            if watch.is_alive():
+            watch._halt.set()
+            if watch.is_alive() and watch is not threading.current_thread():
                 watch.join(timeout=5)
             watch._group = None
 
@@ -937,6 +966,7 @@ def run(
                 timeout=td,
                 check_every=check_every,
                 built=built,
+                store_address=(host, port),
             )
             return loop.run()
     finally:
@@ -958,7 +988,7 @@ def _import_sharded() -> None:
 
 
 class _Live:
-    """A formed generation's world, its process group and (NCCL) its watch; owns their teardown.
+    """A formed generation's world, its process group and its watch; owns their teardown.
 
     `release` stops the watch and drops the world's reference to the group (before a failure is judged,
     so that nothing but torch holds the group); `end` destroys the group, aborting it first when asked,
@@ -969,9 +999,7 @@ class _Live:
     while).
     """
 
-    def __init__(
-        self, world: World, watch: _NcclWatch | None, collect: Callable[[], bool] | None = None
-    ) -> None:
+    def __init__(self, world: World, watch: _Watch | None, collect: Callable[[], bool] | None = None) -> None:
         self.world = world
         self._watch = watch
         self._ended = False
@@ -988,7 +1016,7 @@ class _Live:
             self._watch.start()
 
     def release(self) -> None:
-        _NcclWatch.stop(self._watch)
+        _Watch.stop(self._watch)
         self._watch = None
         self.world.group = None
         self.world.mesh = None  # its groups too
@@ -1018,6 +1046,8 @@ class _Loop:
     timeout: timedelta
     check_every: int
     built: Built | None = None
+    #: the store's (host, port): the watch never shuts down connections to it
+    store_address: tuple[str, int] = ("", 0)
     stalls: _Stalls = attrs.field(factory=lambda: _Stalls(STALL_LIMIT))
     ended_at: float = attrs.field(factory=time.monotonic)
 
@@ -1039,6 +1069,8 @@ class _Loop:
     def generation(self, membership: Any) -> Any:
         """One generation: `_AGAIN` when the next one must form, else `run`'s return value."""
         gen = _Generation(self.store, membership)
+        # The connections the generation's groups open from here on (gloo: what the watch shuts down).
+        sockets = Sockets(keep=[self.store_address]) if self.backend == "gloo" else None
         try:
             group = _new_group(self.store, membership, self.backend, self.timeout)
         except Exception as exc:
@@ -1064,7 +1096,7 @@ class _Loop:
             timeout=self.timeout,
             note=gen.note,
         )
-        watch = _NcclWatch(self.rendezvous, gen, group) if self.backend == "nccl" else None
+        watch = _Watch(self.rendezvous, gen, group, sockets)
         del group
         collect = self.built.groups_alive if self.built is not None else None
         with _Live(world, watch, collect=collect) as live:
