@@ -9,6 +9,10 @@ same run and interleaved round by round (the order rotates), it times:
   so the tensors go through the default transport's shared-memory ring;
 - the same sync with the broadcast transport only (what ranks on different hosts get: gloo broadcasts of
   reused buckets, like the floor over loopback TCP);
+- that transport's `send`/`receive` alone (plan made once, before the rounds): the path between hosts
+  without the sync around it;
+- one TCP socket between the ranks moving the tensors in place with `sendmsg`/`recvmsg_into` (scatter-
+  gather, no packing): not something sync does, a reference for what a path without copies costs;
 - one `dist.broadcast` per tensor (what a hand-written `sync()` does);
 - `dist.broadcast_object_list` of the tensors (pickled);
 - `torch.distributed._broadcast_coalesced`, torch's C++ bucketed broadcast that DDP uses to align
@@ -25,6 +29,11 @@ or the bucket buffers of the broadcast transport), since it exists only for sync
 
     python benchmarks/bench_sync.py            # 128 MiB states, 7 rounds
     python benchmarks/bench_sync.py --quick    # 16 MiB states, 3 rounds (smoke run)
+
+Between two hosts (or network namespaces), one process per host, rank 0's address as the master:
+
+    python benchmarks/bench_sync.py --rank 0 --master 10.9.0.1:29511 ...   # on the first host
+    python benchmarks/bench_sync.py --rank 1 --master 10.9.0.1:29511 ...   # on the second
 """
 
 from __future__ import annotations
@@ -46,10 +55,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import elastic
+from elastic.replication.comm import Comm
 from elastic.replication.transport import broadcast as _transport
 from elastic.replication.transport import default as _transports
 from elastic.replication.transport.broadcast import BroadcastTransport
+from elastic.replication.transport.cma import CrossMemoryTransport
 from elastic.replication.transport.shm import SharedMemoryTransport, shared_cached_bytes
+from elastic.state.tensors import TensorMeta
 
 MiB = 2**20
 #: DDP's default `broadcast_bucket_size` for `_sync_module_states`.
@@ -125,10 +137,52 @@ def trim_heap() -> None:
 # The methods
 
 
+def connect_pair(rank: int) -> socket.socket:
+    """A TCP connection between rank 0 (listening on MASTER_ADDR) and rank 1, for the `sg_socket` row."""
+    if rank == 0:
+        with socket.create_server((os.environ["MASTER_ADDR"], 0)) as server:
+            port = torch.tensor([server.getsockname()[1]])
+            dist.broadcast(port, 0)
+            conn, _ = server.accept()
+    else:
+        port = torch.tensor([0])
+        dist.broadcast(port, 0)
+        conn = socket.create_connection((os.environ["MASTER_ADDR"], int(port)))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def move_in_place(conn: socket.socket, views: list[memoryview], send: bool) -> None:
+    """Every byte of `views` over `conn`, `sendmsg`/`recvmsg_into` on up to 512 of them at a time."""
+    for start in range(0, len(views), 512):
+        batch = views[start : start + 512]
+        while batch:
+            n = conn.sendmsg(batch) if send else conn.recvmsg_into(batch)[0]
+            if n == 0:
+                msg = "the peer closed the connection"
+                raise EOFError(msg)
+            while batch and n >= len(batch[0]):
+                n -= len(batch[0])
+                batch = batch[1:]
+            if n:
+                batch = [batch[0][n:], *batch[1:]]
+    if send:  # done when the receiver has everything
+        conn.recv(1)
+    else:
+        conn.sendall(b"k")
+
+
 def make_methods(
-    state: BenchState | ModuleState, flat: torch.Tensor, rank: int
+    state: BenchState | ModuleState, flat: torch.Tensor, rank: int, conn: socket.socket | None
 ) -> dict[str, Callable[[], None]]:
     world = dist.group.WORLD
+    tensors = state.tensors
+    comm = Comm(None, timedelta(seconds=120), "bench")
+    metas = [TensorMeta(("t", i), tuple(t.shape), t.dtype, "cpu") for i, t in enumerate(tensors)]
+    box = [BROADCAST.plan(tensors, comm) if rank == 0 else None]
+    dist.broadcast_object_list(box, 0)  # the source's plan, as sync sends it in its payload
+    plan = box[0]
+    views = [t.numpy().data.cast("B") for t in tensors]
 
     def floor() -> None:
         dist.broadcast(flat, 0)
@@ -145,6 +199,19 @@ def make_methods(
             sync()
         finally:
             _transports.set_default_transport(previous)
+
+    def transport() -> None:  # the broadcast transport's send/receive alone
+        errors: list[BaseException] = []
+        if rank == 0:
+            BROADCAST.send(comm, 0, tensors, metas, plan, errors.append)
+        else:
+            BROADCAST.receive(comm, 0, tensors, metas, plan, errors.append)
+        if errors:
+            raise errors[0]
+
+    def sg_socket() -> None:
+        assert conn is not None
+        move_in_place(conn, views, rank == 0)
 
     def verify() -> None:  # digests every byte of the state, one small all-gather
         elastic.verify(state)
@@ -181,6 +248,8 @@ def make_methods(
         "floor": floor,
         "sync": sync,
         "sync_broadcast": sync_broadcast,
+        "transport": transport,
+        "sg_socket": sg_socket,
         "fast_sync": fast_sync,
         "verify": verify,
         "per_tensor": per_tensor,
@@ -195,6 +264,8 @@ LABELS = {
     "floor": "one `broadcast` of a flat buffer (floor)",
     "sync": "`elastic.sync(state, force=True)`",
     "sync_broadcast": "`elastic.sync(state, force=True)`, broadcast transport (no shared memory)",
+    "transport": "`BroadcastTransport` send/receive alone",
+    "sg_socket": "one TCP socket, `sendmsg`/`recvmsg_into` of the tensors in place (reference)",
     "fast_sync": "`elastic.sync(state)` with nothing to move (fast path)",
     "verify": "`elastic.verify(state)` (digest of every byte)",
     "per_tensor": "one `broadcast` per tensor",
@@ -210,7 +281,7 @@ def kept_by(key: str) -> float:
     buffers); 0 for the methods that keep nothing."""
     if key == "sync":
         return float(shared_cached_bytes())
-    if key == "sync_broadcast":
+    if key in ("sync_broadcast", "transport"):
         return float(_transport.cached_bytes())
     return 0.0
 
@@ -239,7 +310,15 @@ def time_one(fn: Callable[[], None], key: str) -> tuple[float, float, float, flo
     )
 
 
-def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_wanted: list[str]) -> dict:
+def run_case(
+    rank: int,
+    name: str,
+    total: int,
+    count: int,
+    rounds: int,
+    methods_wanted: list[str],
+    conn: socket.socket | None,
+) -> dict:
     gen = torch.Generator().manual_seed(1234)
     make = (lambda n: torch.randn(n, generator=gen)) if rank == 0 else torch.zeros
     state: BenchState | ModuleState
@@ -259,7 +338,7 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
     flat = torch.ones(total, dtype=torch.uint8)  # touched: no page faults inside the floor
     ids = [t.data_ptr() for t in tensors]
     _transports.release_buffers()  # this case's sync allocates (and then keeps) its own
-    methods = {k: v for k, v in make_methods(state, flat, rank).items() if k in methods_wanted}
+    methods = {k: v for k, v in make_methods(state, flat, rank, conn).items() if k in methods_wanted}
     order = list(methods)
     times: dict[str, list[float]] = {k: [] for k in order}
     cpus: dict[str, list[float]] = {k: [] for k in order}
@@ -285,15 +364,23 @@ def run_case(rank: int, name: str, total: int, count: int, rounds: int, methods_
 
 
 def worker(
-    rank: int, port: int, cases: list[tuple[str, int, int]], rounds: int, methods: list[str], load: float
+    rank: int,
+    master: tuple[str, int],
+    cases: list[tuple[str, int, int]],
+    rounds: int,
+    methods: list[str],
+    load: float,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    conn = connect_pair(rank) if "sg_socket" in methods else None
     try:
-        results = [run_case(rank, *case, rounds, methods) for case in cases]
+        results = [run_case(rank, *case, rounds, methods, conn) for case in cases]
         if rank == 0:
             report(results, rounds, load)
     finally:
+        if conn is not None:
+            conn.close()
         dist.destroy_process_group()
 
 
@@ -302,13 +389,15 @@ def worker(
 
 
 def report(results: list[dict], rounds: int, load_before: float) -> None:
-    used = _transports.default_transport()
+    default = _transports.default_transport()
+    used = default.fallback if isinstance(default, CrossMemoryTransport) else default
     assert isinstance(used, SharedMemoryTransport)
     bucket = used.bucket_bytes
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(
-        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}); sync: shared "
-        f"memory {used.slots} x {bucket / MiB:g} MiB slots, broadcast transport {BROADCAST.in_flight} x "
+        f"\n2 gloo ranks, torch {torch.__version__}, {os.cpu_count()} CPUs (load {load}); sync: "
+        f"{type(default).__name__}, shared memory {used.slots} x {bucket / MiB:g} MiB slots, broadcast "
+        f"transport {BROADCAST.in_flight} x "
         f"{BROADCAST.bucket_bytes / MiB:g} MiB buckets, direct_bytes {BROADCAST.direct_bytes / MiB:g} MiB; "
         f"medians of {rounds} interleaved rounds\n"
     )
@@ -326,7 +415,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             rise = statistics.median(r for r, _ in res["mem"][key]) / MiB
             kept = max(k for _, k in res["mem"][key]) / MiB
             mem = f"{rise + kept:.1f}"
-            if key in ("sync", "sync_broadcast"):
+            if key in ("sync", "sync_broadcast", "transport"):
                 mem += f" ({kept:g} kept + {rise:.1f})"
             cpu = statistics.median(res["cpus"][key]) * 1e3
             ms = statistics.median(ts) * 1e3
@@ -342,6 +431,8 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
                 line += f", {vs:.2f}x _broadcast_coalesced at 16 MiB buckets"
             if "sync_broadcast" in ratios:
                 line += f" ({ratios['sync_broadcast']:.2f}x by broadcasts only)"
+            if "transport" in ratios:
+                line += f", the broadcast transport alone {ratios['transport']:.2f}x"
             line += f", receiver peak extra memory (worst round) {peak:.1f} MiB"
             if "verify" in ratios:
                 line += f"; verify costs {ratios['verify'] / ratios['sync']:.2f}x one sync"
@@ -353,7 +444,8 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
         print(line)
     print("targets: many tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced; few tensors <= 1.3x floor;")
     print("         a module of 2,000 tensors <= 2.0x floor and <= 0.8x 16 MiB-bucket _broadcast_coalesced;")
-    print("         peak extra memory <= 2 buckets of 16 MiB (32 MiB)")
+    print("         peak extra memory <= 2 buckets of 16 MiB (32 MiB);")
+    print("         the broadcast transport alone, a module of 2,000 tensors <= 1.3x floor")
 
 
 def free_port() -> int:
@@ -369,11 +461,13 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
     parser.add_argument(
         "--methods",
-        default="floor,sync,sync_broadcast,fast_sync,verify,per_tensor,object_list,coalesced,coalesced16,"
-        "coalesced_1t",
+        default="floor,sync,sync_broadcast,transport,sg_socket,fast_sync,verify,per_tensor,object_list,"
+        "coalesced,coalesced16,coalesced_1t",
         help="comma-separated subset of the methods (floor is always kept): " + ",".join(LABELS),
     )
     parser.add_argument("--case", choices=["many", "few", "module", "both", "all"], default="all")
+    parser.add_argument("--rank", type=int, default=None, help="run this rank only (one process per host)")
+    parser.add_argument("--master", default=None, help="HOST:PORT of rank 0, with --rank")
     args = parser.parse_args()
     mib = args.mib or (16 if args.quick else 128)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -390,7 +484,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
     load = os.getloadavg()[0]
-    mp.spawn(worker, args=(free_port(), cases, rounds, methods, load), nprocs=2, join=True)
+    if args.rank is not None:
+        if args.master is None or args.rank not in (0, 1):
+            parser.error("--rank 0 or 1 needs --master HOST:PORT")
+        host, _, port = args.master.rpartition(":")
+        worker(args.rank, (host, int(port)), cases, rounds, methods, load)
+        return
+    mp.spawn(worker, args=(("127.0.0.1", free_port()), cases, rounds, methods, load), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
