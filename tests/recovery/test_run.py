@@ -982,3 +982,43 @@ def test_busy_keeps_heartbeating_past_timeout_and_tells_the_others_where_it_is()
     rdzv._last_progress = time.monotonic() - 10
     world.progress()
     assert rdzv._making_progress(time.monotonic())
+
+
+class ExpiringRendezvous(FakeRendezvous):
+    """Members are judged expired once they stood still longer than the `within` asked."""
+
+    def __init__(self, still: dict[str, float]) -> None:
+        super().__init__({"a", "b"})
+        self.still = still  # member -> seconds its heartbeat has stood still
+        self.grace = 2.0
+        self.asked: list[float] = []
+
+    def expired(self, within: float) -> list[str]:
+        self.asked.append(within)
+        return [m for m, s in self.still.items() if s > within]
+
+
+def test_the_watch_writes_the_regroup_verdict_before_it_ends_the_collectives() -> None:
+    """A peer judged gone (rightly or not) costs one regroup on every rank, never a raw backend error;
+    while the generation starts the watch waits longer than once fn runs."""
+    store = dist.HashStore()
+    gen, peer = _run._Generation(store, FakeMembership()), _run._Generation(store, FakeMembership(rank=1))
+    shut: list[int] = []
+
+    class Counting:
+        def shutdown(self) -> int:
+            shut.append(1)
+            return 2
+
+    rdzv = ExpiringRendezvous({"b": 1.5})  # stood still 1.5 s: within the start's grace, past fn's bound
+    watch = _run._Watch(rdzv, gen, None, Counting())  # type: ignore[arg-type]
+    assert watch._evidence(["a", "b"]) is None  # starting: the rendezvous's grace (2 s here)
+    watch.training.set()
+    assert watch.stale_after == 1.0  # twice the expiry (0.02 s), at least 1 s
+    why = watch._evidence(["a", "b"])
+    assert why == "rank 1 stopped heartbeating"
+    watch._end(why)
+    assert shut == [1]
+    assert peer.verdict(None) == _run.REGROUP + "rank 1 stopped heartbeating"  # what every _judge adopts
+    timed_out = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    assert _judge(timed_out, FakeRendezvous({"a", "b"}), peer) == _run.REGROUP + "rank 1 stopped heartbeating"

@@ -561,12 +561,12 @@ class Rendezvous:
             fresh.add(self.participant)
         return fresh
 
-    def expired(self) -> list[str]:
+    def expired(self, within: float | None = None) -> list[str]:
         """The other members of the current generation that are gone as this participant last saw them:
-        their process exited (same host), or their counter had not changed for `expiry` when the heartbeat
-        thread last read the counters. Reads no store. Judged at the reads, not now: a participant whose
-        own heartbeat thread was held up (the GIL, an unreachable store) sees nobody expire until it reads
-        again, so it never blames its peers for its own stall."""
+        their process exited (same host), or their counter had not changed for `within` seconds (default
+        `expiry`) when the heartbeat thread last read the counters. Reads no store. Judged at the reads,
+        not now: a participant whose own heartbeat thread was held up (the GIL, an unreachable store) sees
+        nobody expire until it reads again, so it never blames its peers for its own stall."""
         with self._lock:
             members, observed = self._members, self._observed_at
             seen = dict(self._seen)
@@ -579,7 +579,8 @@ class Rendezvous:
                 out.append(p)
                 continue
             last = seen.get(p)
-            if last is not None and observed is not None and observed - last.changed > self.expiry:
+            limit = self.expiry if within is None else within
+            if last is not None and observed is not None and observed - last.changed > limit:
                 out.append(p)
         return out
 

@@ -622,8 +622,12 @@ class _Watch(threading.Thread):
 
     A collective waiting for a dead, cut-off or hung peer otherwise waits for the group's timeout: gloo
     blocks in its pairs (and its ``abort()`` does not unblock them, pytorch#130345), NCCL in a CUDA
-    kernel. Every `PERIOD` this thread asks the rendezvous which members' heartbeats expired (`expired`:
-    no store read, the heartbeat thread's last reading) and, at the first such member:
+    kernel. Every `PERIOD` this thread asks the rendezvous which members' heartbeats have not changed for
+    `stale_after` (twice the rendezvous's expiry, at least 1 s, once ``fn`` runs; longer while the
+    generation starts: a live peer's heartbeat thread can miss half a second while its main thread holds
+    the GIL; `expired`: no store read, the heartbeat thread's
+    last reading) and, at the first such member, writes the generation's verdict (regroup: every rank's
+    `_judge` adopts it, so that a peer judged gone wrongly costs one regroup, never an error) and then:
 
     - gloo: shuts down the TCP connections this process opened for the generation (`Sockets`: every
       group of it, the mesh's too; the store's connections and listening sockets stay). The blocked
@@ -646,6 +650,8 @@ class _Watch(threading.Thread):
         self._group = group
         self._sockets = sockets
         self._halt = threading.Event()
+        #: set once ``fn`` runs (the generation started)
+        self.training = threading.Event()
         #: what ended the generation from here, once it did (for tests and the log)
         self.fired: str | None = None
 
@@ -664,8 +670,18 @@ class _Watch(threading.Thread):
             except Exception as exc:  # the watch must never kill the worker
                 log.debug("watch: %s", exc)
 
+    @property
+    def stale_after(self) -> float:
+        """How long a member's heartbeat may stand still: twice the expiry, at least 1 s, once ``fn`` runs;
+        the rendezvous's `grace` (5 expiries) while the generation starts (a build, a reshard, a sync: the
+        phases that hold the GIL longest, in every member at once)."""
+        expiry = float(getattr(self._rdzv, "expiry", 0.5))
+        if not self.training.is_set():
+            return max(float(getattr(self._rdzv, "grace", 5 * expiry)), 1.0)
+        return max(2 * expiry, 1.0)
+
     def _evidence(self, members: list[str]) -> str | None:
-        gone = self._rdzv.expired()
+        gone = self._rdzv.expired(self.stale_after)
         if gone:
             return f"{ranks_str(sorted(members.index(p) for p in gone if p in members))} stopped heartbeating"
         if self._sockets is None and (self._gen.announced() or self._gen.records()):
@@ -674,6 +690,7 @@ class _Watch(threading.Thread):
 
     def _end(self, why: str) -> None:
         generation = self._gen.membership.generation
+        self._gen.verdict(REGROUP + why)  # before any collective fails: every rank regroups
         if self._sockets is None:
             log.warning("generation %d: aborting the NCCL group (%s)", generation, why)
             self._group.abort()
@@ -1015,6 +1032,11 @@ class _Live:
         if self._watch is not None:
             self._watch.start()
 
+    def training(self) -> None:
+        """The generation started: ``fn`` runs (the watch judges heartbeats more tightly)."""
+        if self._watch is not None:
+            self._watch.training.set()
+
     def release(self) -> None:
         _Watch.stop(self._watch)
         self._watch = None
@@ -1126,6 +1148,7 @@ class _Loop:
                 started_at,
                 time.monotonic() - self.ended_at,
             )
+            live.training()
             result = self.fn(self.state, live.world)
         except _EndGeneration as end:
             self.ended_at = time.monotonic()
