@@ -1016,9 +1016,9 @@ def test_the_watch_writes_the_regroup_verdict_before_it_ends_the_collectives() -
     watch.training.set()
     assert watch.stale_after == 1.0  # twice the expiry (0.02 s), at least 1 s
     why = watch._evidence(["a", "b"])
-    assert why == "rank 1 stopped heartbeating"
+    assert why == "rank(s) [1] stopped heartbeating (dead or hung)"  # as _judge words it
     watch._end(why)
     assert shut == [1]
-    assert peer.verdict(None) == _run.REGROUP + "rank 1 stopped heartbeating"  # what every _judge adopts
+    assert peer.verdict(None) == _run.REGROUP + why  # what every _judge adopts
     timed_out = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
-    assert _judge(timed_out, FakeRendezvous({"a", "b"}), peer) == _run.REGROUP + "rank 1 stopped heartbeating"
+    assert _judge(timed_out, FakeRendezvous({"a", "b"}), peer) == _run.REGROUP + why

@@ -683,7 +683,8 @@ class _Watch(threading.Thread):
     def _evidence(self, members: list[str]) -> str | None:
         gone = self._rdzv.expired(self.stale_after)
         if gone:
-            return f"{ranks_str(sorted(members.index(p) for p in gone if p in members))} stopped heartbeating"
+            ranks = sorted(members.index(p) for p in gone if p in members)
+            return f"rank(s) {ranks} stopped heartbeating (dead or hung)"  # `_judge`'s words
         if self._sockets is None and (self._gen.announced() or self._gen.records()):
             return "a member's collective failed"
         return None
