@@ -570,17 +570,14 @@ class Rendezvous:
         with self._lock:
             members, observed = self._members, self._observed_at
             seen = dict(self._seen)
+        exited = self.exited()
+        limit = self.expiry if within is None else within
         out = []
         for p in members:
             if p == self.participant:
                 continue
-            pid = self._pids.get(p)
-            if pid is not None and not running(pid):
-                out.append(p)
-                continue
             last = seen.get(p)
-            limit = self.expiry if within is None else within
-            if last is not None and observed is not None and observed - last.changed > limit:
+            if p in exited or (last is not None and observed is not None and observed - last.changed > limit):
                 out.append(p)
         return out
 

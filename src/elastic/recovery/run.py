@@ -652,8 +652,6 @@ class _Watch(threading.Thread):
         self._halt = threading.Event()
         #: set once ``fn`` runs (the generation started)
         self.training = threading.Event()
-        #: what ended the generation from here, once it did (for tests and the log)
-        self.fired: str | None = None
 
     def run(self) -> None:
         members = list(self._gen.membership.members)
@@ -664,7 +662,6 @@ class _Watch(threading.Thread):
                     continue
                 if self._halt.is_set():
                     return
-                self.fired = why
                 self._end(why)
                 return
             except Exception as exc:  # the watch must never kill the worker
