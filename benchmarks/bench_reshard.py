@@ -238,7 +238,7 @@ def rounds_on_four(rank: int, mib: int, rounds: int, tmp: str) -> dict[str, Any]
 def kill_worker(mib: int, kills: int, steps: int, tmp: str, spare: bool) -> dict[str, Any]:
     """One slot of `elastic.spawn(restart="worker")`: trains under `elastic.run`, rank 3 of a 2x2 mesh
     kills itself after `steps` steps of its generation until `kills` kills happened (files in `tmp`)."""
-    from elastic.recovery.rendezvous import log_key, parse_log, read
+    from elastic.recovery.rendezvous import read_round
     from elastic.recovery.store import connect, parse_address
 
     host, port = parse_address(None)
@@ -270,7 +270,7 @@ def kill_worker(mib: int, kills: int, steps: int, tmp: str, spare: bool) -> dict
             if world.size == 4 and done == steps and seen < kills:
                 if spare:  # every member waits until a spare waits in the next round
                     with world.busy("waiting for a spare"):
-                        while not parse_log(read(store, log_key(world.generation + 1))).joined:
+                        while not read_round(store, world.generation + 1).joined:
                             time.sleep(0.05)
                 if world.rank == 3:
                     Path(f"{tmp}/kill-{seen}").write_text(repr(time.time()))

@@ -18,15 +18,30 @@ from collections.abc import Iterator
 import attrs
 
 import elastic.recovery.rendezvous as rendezvous
-from elastic.recovery.rendezvous import FINISHED, Joiner, Log, decide, log_key, pending_from, start, step
-
-
-def parse_log(raw: bytes) -> Log:
-    return rendezvous.parse_log(raw)
+from elastic.recovery.rendezvous import (
+    FINISHED,
+    NEXT,
+    Joiner,
+    Log,
+    add_event,
+    count_key,
+    decide,
+    decision_key,
+    encode_decision,
+    event_key,
+    members_key,
+    parse_events,
+    peek,
+    pending_from,
+    ring,
+    start,
+    step,
+)
 
 
 class MemStore:
-    """The store operations of `elastic.recovery.rendezvous.Ops` on a dict, with TCPStore's semantics."""
+    """The store operations of `elastic.recovery.rendezvous.Ops` on a dict, with TCPStore's semantics.
+    `wait_for` never blocks: a missing key is a wait that timed out (time passed)."""
 
     def __init__(self, items: tuple[tuple[str, bytes], ...] = ()) -> None:
         self.data: dict[str, bytes] = dict(items)
@@ -45,9 +60,6 @@ class MemStore:
         self.data[key] = str(new).encode()
         return new
 
-    def append(self, key: str, value: str) -> None:
-        self.data[key] = self.data.get(key, b"") + value.encode()
-
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
         current = self.data.get(key)
         if (current is None and expected_value == "") or current == expected_value.encode():
@@ -55,6 +67,40 @@ class MemStore:
         elif current is None:
             return expected_value.encode()
         return self.data[key]
+
+    def wait_for(self, key: str, seconds: float) -> bool:
+        return key in self.data
+
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
+
+def events_of(store: MemStore, n: int) -> Log:
+    count = int(store.data.get(count_key(n), b"0").decode() or 0)
+    return parse_events(
+        raw.decode() for i in range(1, count + 1) if (raw := store.data.get(event_key(n, i))) is not None
+    )
+
+
+def members_of(store: MemStore, n: int) -> tuple[str, ...]:
+    raw = peek(store, decision_key(n))
+    if raw is None or raw == b"!":
+        return ()
+    leader = raw.decode().split(";")[0]
+    full = peek(store, members_key(n, leader))
+    return tuple(full.decode().split("|")) if full else ()
+
+
+def decided_rounds(store: MemStore) -> list[int]:
+    return sorted(int(k[2:]) for k, v in store.data.items() if k.startswith("d/") and v != b"!")
+
+
+def pending(store: MemStore, gen: int, members: tuple[str, ...], cfg: Config) -> bool:
+    """What the monitor of `gen` computes and every member reads (`Rendezvous._monitor`)."""
+    events = events_of(store, gen + 1)
+    if store.check([decision_key(gen + 1)]):
+        return True
+    return pending_from(events, members, cfg.max_workers)
 
 
 @attrs.frozen
@@ -92,14 +138,22 @@ class Config:
     spurious: int = 0
     initial: tuple[str, ...] = ()  # generation 0, already formed (empty: everybody starts fresh)
     newcomers: tuple[str, ...] = ()  # start fresh even when `initial` is given
+    who_crashes: tuple[str, ...] = ()  # who may crash (empty: anybody)
+
+    def crashers(self, name: str) -> tuple[str, ...]:
+        return self.who_crashes or self.names
 
 
 def initial_state(cfg: Config) -> State:
     store = MemStore()
     workers = []
     if cfg.initial:
-        store.append(log_key(0), "".join(f"+{p}," for p in cfg.initial) + "=" + "|".join(cfg.initial) + ",")
-        store.set("next", "1")
+        for p in cfg.initial:
+            add_event(store, 0, f"+{p}")
+        leader = cfg.initial[0]
+        store.set(members_key(0, leader), "|".join(cfg.initial))
+        store.set(decision_key(0), encode_decision(leader, cfg.initial, ()))
+        store.set(NEXT, "1")
     for name in cfg.names:
         member = name in cfg.initial and name not in cfg.newcomers
         workers.append(
@@ -112,66 +166,6 @@ def initial_state(cfg: Config) -> State:
             )
         )
     return State(store.frozen(), tuple(workers), cfg.crashes, cfg.suspicions, cfg.leaves, cfg.finishes)
-
-
-def canonical(store: MemStore) -> tuple[tuple[str, bytes], ...]:
-    """The store with every round's log rewritten in one canonical order of its tokens.
-
-    Sound for the search because the protocol reads a log only through `parse_log`, and the rewrite
-    keeps what `parse_log` sees (joins in order of first join, the first proposal) and what the checks
-    see (who joined before the decision); it merges states that differ only in the order of announce
-    and leave tokens, or in proposals after the first.
-    """
-    items = []
-    for key, raw in sorted(store.data.items()):
-        if key.startswith("r/"):
-            raw = _canonical_log(raw.decode()).encode()
-        items.append((key, raw))
-    return tuple(items)
-
-
-@functools.cache
-def _canonical_log(text: str) -> str:
-    parts: list[tuple[dict[str, None], set[str], set[str]]] = [({}, set(), set()), ({}, set(), set())]
-    decision = None
-    finished = False
-    for token in text.split(","):
-        kind, name = token[:1], token[1:]
-        joined, announced, left = parts[0 if decision is None else 1]
-        if kind == "+":
-            if name not in parts[0][0]:
-                joined.setdefault(name, None)
-        elif kind == "~":
-            announced.add(name)
-        elif kind == "-":
-            left.add(name)
-        elif kind == "=" and decision is None:
-            decision = name
-        elif kind == "!":
-            finished = True
-    out = []
-    for index, (joined, announced, left) in enumerate(parts):
-        out += [f"+{p}," for p in joined]
-        out += [f"~{p}," for p in sorted(announced - (parts[0][1] if index else set()))]
-        out += [f"-{p}," for p in sorted(left - (parts[0][2] if index else set()))]
-        if index == 0 and decision is not None:
-            out.append(f"={decision},")
-    if finished:
-        out.append("!,")
-    return "".join(out)
-
-
-def members_of(store: MemStore, n: int) -> tuple[str, ...]:
-    return parse_log(store.data.get(log_key(n), b"")).decision or ()
-
-
-def decided_rounds(store: MemStore) -> list[int]:
-    return sorted(int(k[2:]) for k, v in store.data.items() if k.startswith("r/") and b"=" in v)
-
-
-def pending(store: MemStore, gen: int, members: tuple[str, ...], cfg: Config) -> bool:
-    """What the heartbeat thread of a member of `gen` computes (`Rendezvous._beat_once`)."""
-    return pending_from(store.data.get(log_key(gen + 1), b""), members, cfg.max_workers)
 
 
 def broken(state: State, store: MemStore, w: Worker) -> bool:
@@ -190,11 +184,12 @@ def broken(state: State, store: MemStore, w: Worker) -> bool:
 def _oracles(
     state: State, w: Worker, j: Joiner, events: Log, cfg: Config
 ) -> Iterator[tuple[frozenset[str], bool]]:
-    """(participants judged dead, whether this costs a suspicion) for one `poll` step."""
+    """(participants judged dead, whether this costs a suspicion) for one judging step."""
     crashed = frozenset(x.name for x in state.workers if x.status == "crashed")
     yield crashed, False
     if state.suspicions > 0:
-        live_others = sorted({p for p in (*j.prev, *events.joined) if p != w.name and p not in crashed})
+        names = {*(j.prev or ()), *events.joined, j.leader}
+        live_others = sorted(p for p in names if p and p != w.name and p not in crashed)
         for p in live_others:
             yield crashed | {p}, True
 
@@ -207,9 +202,9 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
         def put(nw: Worker, st: MemStore, i: int = i, **changes: int) -> State:
             workers = list(state.workers)
             workers[i] = nw if nw.status in ("new", "idle", "joining") else Worker(nw.name, nw.status)
-            return attrs.evolve(state, store=canonical(st), workers=tuple(workers), **changes)
+            return attrs.evolve(state, store=st.frozen(), workers=tuple(workers), **changes)
 
-        if w.status in ("new", "idle", "joining") and state.crashes > 0:
+        if w.status in ("new", "idle", "joining") and state.crashes > 0 and w.name in cfg.crashers(w.name):
             yield (
                 f"{w.name} crashes",
                 put(attrs.evolve(w, status="crashed"), store, crashes=state.crashes - 1),
@@ -227,18 +222,18 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
                 nw = attrs.evolve(
                     w,
                     status="joining",
-                    joiner=start(w.name, w.gen),
+                    joiner=start(w.name, w.gen, members),
                     spurious=w.spurious - (0 if must else 1),
                     started_after_finish=finished,
                 )
                 yield f"{w.name} regroups", put(nw, store), must
                 if must:
                     st = MemStore(state.store)
-                    st.append(log_key(w.gen + 1), f"~{w.name},")
+                    add_event(st, w.gen + 1, f"~{w.name}")
                     yield f"{w.name} announces and regroups", put(nw, st), True
             if state.leaves > 0:
                 st = MemStore(state.store)
-                st.append(log_key(w.gen + 1), f"-{w.name},")
+                add_event(st, w.gen + 1, f"-{w.name}")
                 yield (
                     f"{w.name} leaves",
                     put(attrs.evolve(w, status="left"), st, leaves=state.leaves - 1),
@@ -247,16 +242,17 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
             if state.finishes > 0 and not must:
                 st = MemStore(state.store)
                 st.set(FINISHED, str(w.gen))
-                st.append(log_key(w.gen + 1), "!,")
+                st.compare_set(decision_key(w.gen + 1), "", "!")
+                ring(st, w.gen + 1)
                 nw = attrs.evolve(w, status="finished")
                 yield f"{w.name} finishes", put(nw, st, finishes=state.finishes - 1), False
         elif w.status == "joining":
             j = w.joiner
             assert j is not None
-            events = parse_log(store.data.get(log_key(j.round), b""))
-            if j.phase == "poll" and events.decision is None and not events.finished:
+            if j.phase in ("count", "read", "sleep"):
+                events = parse_events(j.events)
+                outcomes: set[Joiner] = set()
                 for dead, costs in _oracles(state, w, j, events, cfg):
-                    outcomes: set[tuple[str, ...] | None] = set()
                     for quiet in (True, False):
                         st = MemStore(state.store)
 
@@ -264,6 +260,7 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
                             n: int,
                             prev: tuple[str, ...],
                             ev: Log,
+                            orphan: bool,
                             dead: frozenset[str] = dead,
                             q: bool = quiet,
                             me: str = w.name,
@@ -281,12 +278,14 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
                                 quiet=q,
                             )
 
-                        nj = step(j, st, propose)
-                        outcome = nj.proposal if nj.phase == "propose" else None
-                        if outcome in outcomes:
+                        def gone(leader: str, dead: frozenset[str] = dead) -> bool:
+                            return leader in dead
+
+                        nj = step(j, st, propose, gone=gone)
+                        if nj in outcomes:
                             continue
-                        outcomes.add(outcome)
-                        label = f"{w.name} polls dead={sorted(dead)} quiet={quiet}"
+                        outcomes.add(nj)
+                        label = f"{w.name} {j.phase} dead={sorted(dead)} quiet={quiet}"
                         yield (
                             label,
                             put(_advance(w, nj), st, suspicions=state.suspicions - int(costs)),
@@ -298,8 +297,8 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
                 yield f"{w.name} {j.phase}", put(_advance(w, nj), st), True
 
 
-def _no_proposal(n: int, prev: tuple[str, ...], ev: Log) -> tuple[str, ...] | None:
-    msg = "propose called outside the events phase"
+def _no_proposal(n: int, prev: tuple[str, ...], ev: Log, orphan: bool) -> tuple[str, ...] | None:
+    msg = "propose called outside the judging phases"
     raise AssertionError(msg)
 
 
@@ -317,14 +316,11 @@ def check_safety(state: State, cfg: Config) -> None:
     rounds = decided_rounds(store)
     for n in rounds:
         members = members_of(store, n)
-        raw = store.data.get(log_key(n), b"").decode()
-        decision_at = raw.index("=")
+        assert members, f"round {n}: decided, but its leader's list of members is missing"
         assert len(set(members)) == len(members), f"round {n}: a participant twice in {members}"
         assert cfg.min_workers <= len(members) <= cfg.max_workers, f"round {n}: size of {members}"
-        joined_before = raw[:decision_at]
-        assert all(f"+{m}," in joined_before for m in members), (
-            f"round {n}: {members} did not all join: {raw}"
-        )
+        joined = events_of(store, n).joined
+        assert all(m in joined for m in members), f"round {n}: {members} did not all join: {joined}"
         if n > 0:
             assert n - 1 in rounds, f"round {n} decided before round {n - 1}"
     for w in state.workers:
@@ -382,13 +378,15 @@ class Result:
 
 @contextlib.contextmanager
 def _cached_parse() -> Iterator[None]:
-    """`parse_log` memoized while exploring (it is pure; the search parses the same logs again and again)."""
-    original = rendezvous.parse_log
-    rendezvous.parse_log = functools.lru_cache(maxsize=None)(original)  # type: ignore[assignment]
+    """`parse_events` memoized while exploring (it is pure; the search parses the same events again and
+    again)."""
+    original = rendezvous.parse_events
+    cached = functools.lru_cache(maxsize=None)(lambda tokens: original(tokens))
+    rendezvous.parse_events = lambda tokens: cached(tuple(tokens))  # type: ignore[assignment]
     try:
         yield
     finally:
-        rendezvous.parse_log = original  # type: ignore[assignment]
+        rendezvous.parse_events = original  # type: ignore[assignment]
 
 
 def explore(cfg: Config, *, limit: int = 2_000_000) -> Result:

@@ -99,8 +99,9 @@ SCENARIOS = {
     "start-2-crash": Config(names=("a", "b"), crashes=1),
     # generation {a,b,c}; one crashes; one wrong heartbeat judgement (a hung or GIL-stalled live member)
     "gen3-crash-suspect": Config(names=("a", "b", "c"), initial=("a", "b", "c"), crashes=1, suspicions=1),
-    # generation {a,b} and a newcomer c; one crash anywhere
-    "gen2-newcomer-crash": Config(names=("a", "b", "c"), initial=("a", "b"), crashes=1),
+    # generation {a,b} and a newcomer c (with one crash anywhere: 1.4 M states, 5 min; run with
+    # ELASTIC_MODEL_FULL=1)
+    "gen2-newcomer": Config(names=("a", "b", "c"), initial=("a", "b"), crashes=0),
     # generation {a,b} full (max_workers=2), a spare c; one leaves, one finishes
     "gen2-full-leave-finish": Config(
         names=("a", "b", "c"), initial=("a", "b"), max_workers=2, leaves=1, finishes=1, crashes=0
@@ -108,6 +109,10 @@ SCENARIOS = {
     # generation {a,b}, min_workers=2, one crash and one spurious regroup per worker
     "gen2-min2-spurious": Config(names=("a", "b"), initial=("a", "b"), min_workers=2, crashes=1, spurious=1),
 }
+
+
+if os.environ.get("ELASTIC_MODEL_FULL"):
+    SCENARIOS["gen2-newcomer-crash"] = Config(names=("a", "b", "c"), initial=("a", "b"), crashes=1)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -159,6 +164,10 @@ def _participant(port: int, name: str, commands: Any, events: Any) -> None:
     from elastic.recovery.rendezvous import Rendezvous
     from elastic.recovery.store import connect
 
+    if os.environ.get("RDZV_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format=f"%(relativeCreated)d {name} %(message)s")
     store = connect("127.0.0.1", port, timeout=TIMEOUT)
     rdzv = Rendezvous(
         store,
@@ -289,11 +298,11 @@ def _run_scenario(
     g0, members0 = _settle(events, ["w0", "w1", "w2"], 3)
     assert set(members0) == {"w0", "w1", "w2"}
 
-    # a dead worker: the survivors agree on the next generation, of 2, without waiting for a last call
+    # a dead worker: the generation's monitor sees it gone (here at once: its process exited on this
+    # host), every member's pending() turns True, and the survivors agree on the next generation, of 2,
+    # without waiting for a last call
     procs["w2"].kill()
     procs["w2"].join(timeout=10)
-    for n in ("w0", "w1"):
-        commands[n].put("regroup")
     got = _expect(events, {"w0": "member", "w1": "member"})
     assert got["w0"][0] == got["w1"][0] > g0
     assert got["w0"][2] == got["w1"][2] == tuple(m for m in members0 if m != "w2")

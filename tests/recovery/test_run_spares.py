@@ -40,12 +40,12 @@ def rendezvous_logs() -> Any:
     """A reader of the rendezvous's rounds: ``logs(n)`` is round n's log (who joined, the decision)."""
     import torch.distributed as dist
 
-    from elastic.recovery.rendezvous import log_key, parse_log, read
+    from elastic.recovery.rendezvous import read_round
     from elastic.recovery.store import connect, parse_address
 
     host, port = parse_address(None)
     store = dist.PrefixStore("elastic/elastic/", connect(host, port, timeout=timedelta(seconds=30)))
-    return lambda n: parse_log(read(store, log_key(n)))
+    return lambda n: read_round(store, n)
 
 
 def worker() -> dict[str, Any]:

@@ -8,11 +8,22 @@ Keys, under ``elastic/<run_id>/`` in the store:
 
 - ``hb/<p>``: participant p's heartbeat counter, incremented every `period` by a thread of p while p
   made progress within `timeout` (a hung process stops beating, a dead one too).
-- ``r/<n>``: the log of round n, appended to and never rewritten: ``+p,`` (p joins round n), ``~p,``
-  (p, a member of generation n-1, announced it is on its way), ``-p,`` (p leaves for good), ``=a|b|c,``
-  (a proposal: members in rank order), ``!,`` (the run finished). The FIRST proposal in the log is the
-  decision of round n, generation n: the store orders appends, so every reader sees the same one.
-- ``next``: a hint, a round such that every lower round is decided (participants scan up from it).
+- ``r/<n>/n`` and ``r/<n>/<i>``: the events of round n, numbered from 1 (``add`` takes a number, ``set``
+  writes the event): ``+p`` (p joins round n), ``~p`` (p, a member of generation n-1, announced it is on
+  its way), ``-p`` (p leaves for good), ``?p`` (p's heartbeat stopped, as its observer judged). Read
+  incrementally: a reader keeps how far it read.
+- ``lead/<n>``: the one participant that judges round n (the first joiner, by ``compare_set``; another
+  joiner takes over when its heartbeat stops). Only it reads the events and the heartbeats.
+- ``d/<n>``: THE decision of round n, written once by ``compare_set``: ``!`` (the run finished) or
+  ``<leader>;<removed>;<added>;<digest>``, the members as a change of generation n-1's (a few bytes for
+  every member of n-1); ``m/<n>/<leader>``, written before it, holds the whole list in rank order.
+- ``s/<g>``: the summary that generation g's monitor (its rank 0) writes every period: its own counter,
+  whether g must end (`pending`), and the members whose heartbeat stopped, with their age. The other
+  members read only this key: liveness costs O(N) store reads per period in all.
+- ``next``: a hint, a round such that every lower round is decided (participants scan up from it);
+  only ever raised.
+- ``epoch``: a token naming this store's life: a client that finds another one after reconnecting knows
+  the store restarted empty, and re-seeds what its generation needs.
 - ``finished``: set when a generation's function returned; later joiners get None.
 """
 
@@ -22,11 +33,13 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar
 
 import attrs
 import torch.distributed as dist
@@ -42,6 +55,7 @@ __all__ = [
     "decide",
     "parse_log",
     "pending_from",
+    "read_round",
     "start",
     "step",
 ]
@@ -50,10 +64,10 @@ log = logging.getLogger("elastic")
 
 FINISHED = "finished"
 NEXT = "next"
-
-
-def log_key(n: int) -> str:
-    return f"r/{n}"
+EPOCH = "epoch"
+_STORE_ERRORS = (RuntimeError, OSError, ValueError)
+#: a value never stored: `peek`'s expected value, so that its compare_set neither matches nor creates
+ABSENT = "\x00"
 
 
 def hb_key(p: str) -> str:
@@ -62,6 +76,44 @@ def hb_key(p: str) -> str:
 
 def where_key(p: str) -> str:
     return f"where/{p}"
+
+
+def count_key(n: int) -> str:
+    return f"r/{n}/n"
+
+
+def event_key(n: int, i: int) -> str:
+    return f"r/{n}/{i}"
+
+
+def lead_key(n: int) -> str:
+    return f"lead/{n}"
+
+
+def decision_key(n: int) -> str:
+    return f"d/{n}"
+
+
+def members_key(n: int, leader: str) -> str:
+    return f"m/{n}/{leader}"
+
+
+def tick_count_key(n: int) -> str:
+    return f"t/{n}/n"
+
+
+def tick_key(n: int, k: int) -> str:
+    return f"t/{n}/{k}"
+
+
+#: how long one attempt to reach a store that went away may take (seconds)
+RECONNECT = 1.0
+#: how often a round's leader rings while it judges (the others wait for its ticks with `store.wait`)
+TICK = 0.5
+
+
+def summary_key(g: int) -> str:
+    return f"s/{g}"
 
 
 def process_space() -> str:
@@ -76,18 +128,44 @@ def process_space() -> str:
 
 
 class Ops(Protocol):
-    """The store operations the protocol uses (a torch Store has them; tests use an in-memory one)."""
+    """The store operations the protocol uses (`_StoreOps` over a torch Store; tests use an in-memory
+    one). `wait_for(key, seconds)`: block until `key` exists (True) or `seconds` passed (False)."""
 
     def check(self, keys: list[str]) -> bool: ...
     def set(self, key: str, value: str) -> None: ...
     def add(self, key: str, value: int) -> int: ...
-    def append(self, key: str, value: str) -> None: ...
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
+    def wait_for(self, key: str, seconds: float) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
 
 
-def read(store: Ops, key: str) -> bytes:
-    """The value of `key`, created empty when missing: one operation that never blocks."""
-    return store.compare_set(key, "", "")
+def peek(store: Ops, key: str) -> bytes | None:
+    """The value of `key`, None when missing: one operation that never blocks and never creates it."""
+    raw = store.compare_set(key, ABSENT, ABSENT)
+    return None if raw == ABSENT.encode() else raw
+
+
+def raise_to(store: Ops, key: str, value: int) -> int:
+    """Raise the integer at `key` to at least `value` (never lower it); the value it holds after."""
+    current = peek(store, key)
+    while current is None or int(current.decode() or 0) < value:
+        expected = "" if current is None else current.decode()
+        current = store.compare_set(key, expected, str(value))
+    return int(current.decode() or 0)
+
+
+def add_event(store: Ops, n: int, token: str) -> None:
+    """Append event `token` to round n's events (two operations: a number, then the event)."""
+    store.set(event_key(n, store.add(count_key(n), 1)), token)
+
+
+def ring(store: Ops, n: int) -> None:
+    """A tick of round n: every participant waiting for the round's decision wakes and looks."""
+    k = store.add(tick_count_key(n), 1)
+    store.set(tick_key(n, k), "")
+    if k > 2:  # the waiters wait for the newest ones only
+        with contextlib.suppress(*_STORE_ERRORS):
+            store.delete_key(tick_key(n, k - 2))
 
 
 @attrs.frozen
@@ -103,24 +181,27 @@ class Membership:
 
 @attrs.frozen
 class Log:
-    """A round's log: who joined (in order of first join), who announced or left, the decision (the
-    first proposal; None: undecided), and whether the run finished."""
+    """A round's events: who joined (in order of first join), who announced, left or was judged dead by
+    its observer (`suspected`), the decision (None: undecided) and whether the run finished."""
 
     joined: tuple[str, ...] = ()
     announced: frozenset[str] = frozenset()
     left: frozenset[str] = frozenset()
     decision: tuple[str, ...] | None = None
     finished: bool = False
+    suspected: frozenset[str] = frozenset()
 
 
-def parse_log(raw: bytes) -> Log:
-    """The `Log` of a round from its ``+p,`` ``~p,`` ``-p,`` ``=a|b,`` ``!,`` tokens."""
+def parse_events(tokens: Iterable[str]) -> Log:
+    """The `Log` of a round's event tokens (``+p`` ``~p`` ``-p`` ``?p``; ``=a|b`` a decision and ``!`` the
+    end of the run, as `read_round` adds them)."""
     joined: dict[str, None] = {}
     announced: set[str] = set()
     left: set[str] = set()
+    suspected: set[str] = set()
     decision: tuple[str, ...] | None = None
     finished = False
-    for token in raw.decode().split(","):
+    for token in tokens:
         kind, name = token[:1], token[1:]
         if kind == "+":
             joined.setdefault(name, None)
@@ -128,6 +209,8 @@ def parse_log(raw: bytes) -> Log:
             announced.add(name)
         elif kind == "-":
             left.add(name)
+        elif kind == "?":
+            suspected.add(name)
         elif kind == "=" and decision is None:
             decision = tuple(name.split("|"))
         elif kind == "!":
@@ -138,7 +221,13 @@ def parse_log(raw: bytes) -> Log:
         left=frozenset(left),
         decision=decision,
         finished=finished,
+        suspected=frozenset(suspected),
     )
+
+
+def parse_log(raw: bytes) -> Log:
+    """The `Log` of comma-separated event tokens (``+c,+a,~b,=a|b,``)."""
+    return parse_events(t for t in raw.decode().split(",") if t)
 
 
 def decide(
@@ -223,14 +312,16 @@ def ranked(chosen: list[str]) -> tuple[str, ...]:
 
 
 def pending_from(
-    raw: bytes, members: tuple[str, ...], max_workers: int, fit: Callable[[int], int] | None = None
+    events: Log | bytes, members: tuple[str, ...], max_workers: int, fit: Callable[[int], int] | None = None
 ) -> bool:
-    """Should generation `members` end at its next check, seen from the next round's log `raw`?
+    """Should generation `members` end at its next check, seen from the next round's `events` (a `Log`,
+    or its comma-separated tokens)?
 
     Yes when the next round is decided (this generation is stale) or the run finished, when a member
     left, announced or went on to the next round, or when a newcomer waits and the generation has room.
+    (A member whose heartbeat stopped ends it too while it stays stopped: the monitor adds that.)
     """
-    ev = parse_log(raw)
+    ev = parse_log(events) if isinstance(events, bytes) else events
     if ev.decision is not None or ev.finished:
         return True
     if any(p in ev.left or p in ev.announced or p in ev.joined for p in members):
@@ -243,91 +334,292 @@ def pending_from(
     return fit(min(max_workers, len(members) + len(ev.joined))) > len(members)
 
 
+def digest(members: tuple[str, ...]) -> str:
+    return f"{zlib.crc32('|'.join(members).encode()):08x}"
+
+
+def encode_decision(leader: str, members: tuple[str, ...], prev: tuple[str, ...]) -> str:
+    """``d/<n>``'s value: generation n as a change of generation n-1 (`prev`) by `leader`."""
+    removed = "|".join(p for p in prev if p not in members)
+    added = "|".join(p for p in members if p not in prev)
+    return f"{leader};{removed};{added};{digest(members)}"
+
+
+def decode_decision(
+    raw: bytes, prev: tuple[str, ...] | None, fit: Callable[[int], int] | None
+) -> tuple[str, tuple[str, ...] | None]:
+    """(leader, members) of a ``d/<n>`` value; members None when they cannot be rebuilt from `prev`
+    (generation n-1's members, None: unknown) and must be read from ``m/<n>/<leader>``."""
+    leader, removed, added, check = raw.decode().split(";")
+    if prev is None or removed == "*":
+        return leader, None
+    gone = set(removed.split("|")) if removed else set()
+    chosen = [p for p in prev if p not in gone] + (added.split("|") if added else [])
+    members = _ranks(chosen, prev, fit)
+    return leader, (members if digest(members) == check else None)
+
+
 @attrs.frozen
 class Joiner:
     """A participant's progress through `join`: the protocol as a state machine, one store op per step.
 
-    phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (read the round's log;
-    skip it when decided), ``append`` (``+me``), ``prev`` (read the previous round's decision), ``poll``
-    (read the log: decided? finished? else maybe propose), ``propose`` (append the proposal), ``hinted``
-    (rank 0 of the decision advances ``next``), ``done``.
+    phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (skip decided rounds),
+    ``slot``/``put`` (number and write ``+me``), ``prev``/``prevall`` (generation round-1's members, when
+    not a member of it), ``lead`` (become the round's leader, or learn who is), then for the leader
+    ``poll`` (decided?), ``count`` (how many events), ``read`` (the next unread one; judge when none is
+    left), ``propose`` (write the whole list), ``guard`` (a round with no previous generation: does
+    ``next`` still allow it?), ``commit`` (the decision's compare_set); for the others ``wait`` (for the
+    decision, bounded; judge the leader when it times out) and ``takeover``; then ``decided``
+    (read the decision), ``all`` (the whole list), ``hinted`` (the leader raises ``next``), ``done``.
     """
 
     me: str
     phase: str
     round: int
-    prev: tuple[str, ...] = ()
+    generation: int = -1  # the last generation this participant was a member of
+    members: tuple[str, ...] = ()  # ... and its members
+    prev: tuple[str, ...] | None = None  # generation round-1's members (None: not known yet)
+    orphan: bool = False  # generation round-1 is not in the store (a restarted store)
+    slot: int = 0
+    leader: str = ""
+    tick: int = 0  # the last tick of the leader this participant saw
+    read: int = 0  # events read: 1..read, but for `holes`
+    holes: tuple[int, ...] = ()  # events numbered but not written when read (their writer may be slow)
+    events: tuple[str, ...] = ()
+    reading: int = 0  # the event the `read` phase reads
     proposal: tuple[str, ...] = ()
     decision: tuple[str, ...] = ()
     finished: bool = False
 
 
-def start(me: str, generation: int) -> Joiner:
-    """A join by `me`, last a member of `generation` (-1: never)."""
-    return Joiner(me=me, phase="fin", round=generation + 1)
+def start(me: str, generation: int, members: tuple[str, ...] = ()) -> Joiner:
+    """A join by `me`, last a member of `generation` (-1: never) with `members`."""
+    return Joiner(me=me, phase="fin", round=generation + 1, generation=generation, members=members)
 
 
-Propose = Callable[[int, tuple[str, ...], Log], "tuple[str, ...] | None"]
+Propose = Callable[[int, tuple[str, ...], Log, bool], "tuple[str, ...] | None"]
+Gone = Callable[[str], bool]
+
+
+def _restart(j: Joiner, round: int) -> Joiner:
+    """`j` joins again from round `round` on (a straggler, or a round that lost its previous one)."""
+    return Joiner(me=j.me, phase="fin", round=round, generation=j.generation, members=j.members)
 
 
 def _decided(j: Joiner, members: tuple[str, ...]) -> Joiner:
     if j.me not in members:
         # A straggler: this round formed without it; it is a newcomer of the next one.
-        return Joiner(me=j.me, phase="fin", round=j.round + 1)
-    if members[0] == j.me:
+        return _restart(j, j.round + 1)
+    if j.leader == j.me:
         return attrs.evolve(j, phase="hinted", decision=members, proposal=())
     return attrs.evolve(j, phase="done", decision=members, proposal=())
 
 
-def step(j: Joiner, store: Ops, propose: Propose) -> Joiner:
-    """One store operation of participant `j`'s join; `propose(round, prev, log)` judges.
+def _judge(j: Joiner, propose: Propose) -> Joiner:
+    """The leader judges what it read (no store operation): propose, or poll again."""
+    prev = j.prev or ()
+    proposal = propose(j.round, prev, parse_events(j.events), j.orphan)
+    if proposal is None:
+        return attrs.evolve(j, phase="poll")
+    return attrs.evolve(j, phase="propose", proposal=proposal)
 
-    The result's phase is ``done`` with `decision` (generation `round`'s members, `me` among them) or
-    `finished` set; otherwise call again (after a short sleep when the phase is ``poll`` again).
+
+def step(
+    j: Joiner,
+    store: Ops,
+    propose: Propose,
+    *,
+    gone: Gone | None = None,
+    seen: Callable[[str], None] | None = None,
+    fit: Callable[[int], int] | None = None,
+    wait: float = 1.5,
+) -> Joiner:
+    """One store operation of participant `j`'s join.
+
+    `propose(round, prev, log, orphan)` judges for the leader; `seen(leader)`: note the leader's heartbeat
+    (at every tick); `gone(leader)`: is the leader dead (judged when a wait for its next tick timed out);
+    `fit`: the mesh (ranks); `wait`: how long one wait for a tick blocks (the leader rings every
+    `TICK` seconds while it judges, and once when it decided). The result's phase is ``done`` with
+    `decision` (generation `round`'s members, `me` among them) or `finished` set; otherwise call again
+    (after a short sleep when the phase is ``poll``).
     """
+    n = j.round
     if j.phase == "fin":
         if store.check([FINISHED]):
             return attrs.evolve(j, phase="done", finished=True)
         return attrs.evolve(j, phase="hint")
     if j.phase == "hint":
-        return attrs.evolve(j, phase="scan", round=max(j.round, store.add(NEXT, 0)))
+        return attrs.evolve(j, phase="scan", round=max(n, store.add(NEXT, 0)))
     if j.phase == "scan":
-        if parse_log(read(store, log_key(j.round))).decision is not None:
-            return attrs.evolve(j, round=j.round + 1)
-        return attrs.evolve(j, phase="append")
-    if j.phase == "append":
-        store.append(log_key(j.round), f"+{j.me},")
-        return attrs.evolve(j, phase="prev" if j.round > 0 else "poll")
+        if store.check([decision_key(n)]):
+            return attrs.evolve(j, round=n + 1)
+        return attrs.evolve(j, phase="slot")
+    if j.phase == "slot":
+        return attrs.evolve(j, phase="put", slot=store.add(count_key(n), 1))
+    if j.phase == "put":
+        store.set(event_key(n, j.slot), f"+{j.me}")
+        if n == 0:
+            return attrs.evolve(j, phase="lead", prev=(), orphan=True)
+        if j.generation == n - 1:
+            return attrs.evolve(j, phase="lead", prev=j.members)
+        return attrs.evolve(j, phase="prev")
     if j.phase == "prev":
-        prev = parse_log(read(store, log_key(j.round - 1))).decision
-        return attrs.evolve(j, phase="poll", prev=prev or ())
-    if j.phase == "poll":
-        events = parse_log(read(store, log_key(j.round)))
-        if events.decision is not None:
-            return _decided(j, events.decision)
-        if events.finished:
+        raw = peek(store, decision_key(n - 1))
+        if raw is None:  # the store restarted: nothing of round n-1 survived
+            return attrs.evolve(j, phase="lead", prev=(), orphan=True)
+        if raw == b"!":
             return attrs.evolve(j, phase="done", finished=True)
-        proposal = propose(j.round, j.prev, events)
-        if proposal is None:
-            return j
-        return attrs.evolve(j, phase="propose", proposal=proposal)
+        leader, _ = decode_decision(raw, None, fit)
+        return attrs.evolve(j, phase="prevall", leader=leader)
+    if j.phase == "prevall":
+        raw = peek(store, members_key(n - 1, j.leader))
+        prev = tuple(raw.decode().split("|")) if raw else ()
+        return attrs.evolve(j, phase="lead", prev=prev, orphan=raw is None, leader="")
+    if j.phase == "lead":
+        leader = store.compare_set(lead_key(n), "", j.me).decode()
+        return attrs.evolve(j, phase="poll" if leader == j.me else "wait", leader=leader)
+    if j.phase == "wait":  # the ticks first, then the decision: a decision after the check rings
+        return attrs.evolve(j, phase="wake", tick=store.add(tick_count_key(n), 0))
+    if j.phase == "wake":
+        if store.check([decision_key(n)]):
+            return attrs.evolve(j, phase="decided")
+        if seen is not None:
+            seen(j.leader)
+        return attrs.evolve(j, phase="sleep")
+    if j.phase == "sleep":
+        if store.wait_for(tick_key(n, j.tick + 1), wait):
+            return attrs.evolve(j, phase="wake", tick=j.tick + 1)
+        if gone is not None and gone(j.leader):
+            return attrs.evolve(j, phase="takeover")
+        return attrs.evolve(j, phase="wake")
+    if j.phase == "takeover":
+        leader = store.compare_set(lead_key(n), j.leader, j.me).decode()
+        return attrs.evolve(j, phase="poll" if leader == j.me else "wait", leader=leader)
+    if j.phase == "poll":
+        if store.check([decision_key(n)]):
+            return attrs.evolve(j, phase="decided")
+        return attrs.evolve(j, phase="count")
+    if j.phase == "count":
+        count = store.add(count_key(n), 0)
+        unread = (*j.holes, *range(j.read + 1, count + 1))
+        if not unread:
+            return _judge(j, propose)
+        return attrs.evolve(j, phase="read", reading=unread[0], holes=unread[1:], read=max(j.read, count))
+    if j.phase == "read":
+        raw = peek(store, event_key(n, j.reading))
+        events, holes = j.events, j.holes
+        if raw is None:
+            holes = (*holes, j.reading)  # numbered, not yet written: read it again at the next poll
+        else:
+            events = (*events, raw.decode())
+        ahead = [i for i in holes if i > j.reading]
+        if ahead:  # the events numbered with this read: go on reading them
+            nxt = ahead[0]
+            rest = tuple(i for i in holes if i != nxt)
+            return attrs.evolve(j, events=events, holes=rest, reading=nxt)
+        return _judge(attrs.evolve(j, events=events, holes=holes, reading=0), propose)
     if j.phase == "propose":
-        store.append(log_key(j.round), "=" + "|".join(j.proposal) + ",")
-        return attrs.evolve(j, phase="poll", proposal=())
+        store.set(members_key(n, j.me), "|".join(j.proposal))
+        return attrs.evolve(j, phase="guard" if j.orphan else "commit")
+    if j.phase == "guard":
+        if store.add(NEXT, 0) > n:  # members re-seeded a later generation: this round is obsolete
+            return _restart(j, n + 1)
+        return attrs.evolve(j, phase="commit")
+    if j.phase == "commit":
+        token = encode_decision(j.me, j.proposal, j.prev or ())
+        raw = store.compare_set(decision_key(n), "", token)
+        if raw.decode() == token:
+            return _decided(j, j.proposal)
+        return _read_decision(j, raw, fit)
+    if j.phase == "decided":
+        raw = peek(store, decision_key(n))
+        if raw is None:  # cannot be (it was there); read it again
+            return attrs.evolve(j, phase="wait")
+        return _read_decision(j, raw, fit)
+    if j.phase == "all":
+        raw = peek(store, members_key(n, j.leader))
+        if raw is None:  # the leader's list is gone (the store restarted): join again
+            return _restart(j, n)
+        return _decided(j, tuple(raw.decode().split("|")))
     if j.phase == "hinted":
-        store.set(NEXT, str(j.round + 1))
+        raise_to(store, NEXT, n + 1)
+        return attrs.evolve(j, phase="ring")
+    if j.phase == "ring":
+        ring(store, n)
         return attrs.evolve(j, phase="done")
     msg = f"elastic: rendezvous step in phase {j.phase!r}, which has no next step (a bug in elastic)"
     raise ValueError(msg)
+
+
+def _read_decision(j: Joiner, raw: bytes, fit: Callable[[int], int] | None) -> Joiner:
+    if raw == b"!":
+        return attrs.evolve(j, phase="done", finished=True)
+    known = j.prev if j.prev is not None and not j.orphan else None
+    leader, members = decode_decision(raw, known, fit)
+    if members is None:
+        return attrs.evolve(j, phase="all", leader=leader)
+    return _decided(attrs.evolve(j, leader=leader), members)
+
+
+def read_round(store: dist.Store, n: int) -> Log:
+    """Round n's events and decision as one `Log` (for tests, benchmarks and tools: many operations)."""
+    ops = _StoreOps(store)
+    count = int(peek(ops, count_key(n)) or b"0")
+    tokens = [raw.decode() for i in range(1, count + 1) if (raw := peek(ops, event_key(n, i))) is not None]
+    raw = peek(ops, decision_key(n))
+    if raw == b"!":
+        tokens.append("!")
+    elif raw is not None:
+        leader, _ = decode_decision(raw, None, None)
+        members = peek(ops, members_key(n, leader))
+        if members is not None:
+            tokens.append("=" + members.decode())
+    return parse_events(tokens)
+
+
+class _StoreOps:
+    """`Ops` over a torch Store (its wait's timeout becomes False)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.store.check(keys))
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self.store.add(key, value))
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        return bytes(self.store.compare_set(key, expected_value, desired_value))
+
+    def wait_for(self, key: str, seconds: float) -> bool:
+        try:
+            self.store.wait([key], timedelta(seconds=seconds))
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower():
+                return False
+            raise
+        return True
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return list(self.store.multi_get(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.store.delete_key(key))
 
 
 def _seconds(value: timedelta | float) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
-_STORE_ERRORS = (RuntimeError, OSError, ValueError)
-
 T = TypeVar("T")
+
+
+class _Replaced(Exception):
+    """The store restarted empty under a join in progress: the join starts again."""
 
 
 @attrs.define
@@ -339,6 +631,7 @@ class _View:
     changed: float = 0.0
     prev: tuple[str, ...] = ()
     alive: tuple[str, ...] = ()
+    leader: str = ""
 
 
 @attrs.define
@@ -348,6 +641,40 @@ class _Seen:
     counter: int
     changed: float  # when this participant first saw the counter at its value (monotonic)
     confirmed: bool  # seen changing at least once: beating now, not just a key left behind
+
+
+@attrs.define
+class _Cursor:
+    """How far the monitor read a round's events."""
+
+    round: int = -1
+    read: int = 0
+    holes: tuple[int, ...] = ()
+    tokens: tuple[str, ...] = ()
+
+
+class _Link:
+    """One connection to the store (the run loop's or the heartbeat thread's), renewed when it broke: a
+    torch client keeps a broken connection for good, a new one (`connect`) reaches a restarted store."""
+
+    def __init__(self, base: dist.Store, prefix: str, connect: Callable[[], dist.Store]) -> None:
+        self.prefix = prefix
+        self.connect = connect
+        self._use(base)
+
+    def _use(self, base: dist.Store) -> None:
+        self.base = base
+        self.store = dist.PrefixStore(self.prefix, base)
+        self.ops = _StoreOps(self.store)
+
+    def renew(self) -> bool:
+        """A new connection; False when the store cannot be reached now."""
+        try:
+            base = self.connect()
+        except (*_STORE_ERRORS, ElasticError):
+            return False
+        self._use(base)
+        return True
 
 
 class Rendezvous:
@@ -360,7 +687,10 @@ class Rendezvous:
     `grace` (default 5 expiries: its abort and garbage collection may hold the GIL for a while).
     `first_workers` (default `min_workers`): how many members the first generation (round 0) needs.
     `last_call` (default 1 s): how long a round that no previous member joined waits for more joiners
-    once `min_workers` are there (closes at once with `max_workers`).
+    once `min_workers` are there (closes at once with `max_workers`); it is also the bound within which
+    the members re-seed a restarted store before a newcomer may decide anything there.
+    `connect`: a new client of the store, for when the connection broke (default: ``store.clone()``;
+    `elastic.run` tries the addresses of ``rdzv`` in order).
     """
 
     def __init__(
@@ -380,11 +710,12 @@ class Rendezvous:
         grace: timedelta | None = None,
         last_call: timedelta | None = None,
         fit: Callable[[int], int] | None = None,
+        connect: Callable[[], dist.Store] | None = None,
     ) -> None:
-        if not participant or any(c in participant for c in ",/") or participant[0] in "+-~":
+        if not participant or any(c in participant for c in ",/;|") or participant[0] in "+-~?=!":
             msg = (
-                f"elastic: participant id {participant!r} must be non-empty, contain no ',' or '/' and not "
-                f"start with '+', '-' or '~'; use for instance 'host-pid'"
+                f"elastic: participant id {participant!r} must be non-empty, contain no ',', '/', ';' or "
+                f"'|' and not start with '+', '-', '~', '?', '=' or '!'; use for instance 'host-pid'"
             )
             raise ElasticError(msg)
         first = min_workers if first_workers is None else first_workers
@@ -409,12 +740,18 @@ class Rendezvous:
         self.grace = _seconds(grace) if grace is not None else 5 * self.expiry
         self.last_call = _seconds(last_call) if last_call is not None else 1.0
         self.fit = fit
+        self._prefix = f"elastic/{run_id}/"
+        self._connect = connect if connect is not None else self._clone
         self._base = store
-        self._store = dist.PrefixStore(f"elastic/{run_id}/", store)
-        self._beat_store: dist.Store | None = None
+        self._link = _Link(store, self._prefix, self._connect)
+        self._beat_link: _Link | None = None
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
         self._observed_at: float | None = None  # the last successful read of the heartbeat counters
+        #: the monitor's last summary: member -> seconds its counter had not changed (past `expiry`)
+        self._ages: dict[str, float] = {}
+        self._cursor = _Cursor()
+        self._reported: set[tuple[int, str]] = set()  # (round, p): `?p` written
         self._space = process_space()
         #: participant -> its pid when it runs in this process space (same boot, same pid namespace), or
         #: None when it runs elsewhere; participants not yet looked up are absent
@@ -424,11 +761,16 @@ class Rendezvous:
         self._generation = -1
         self._members: tuple[str, ...] = ()
         self._pending = False
+        self._stale = False  # this generation was re-decided without it in a restarted store
         self._left = False
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store_down_since: float | None = None
+        self._epoch = ""  # the store's life this participant knows (`EPOCH`)
+        self._seeded = ""  # the store life this participant re-seeded
+        self._replaced = 0  # how many times the store was found restarted
+        self._counter = 0  # this participant's heartbeat counter, as the store last returned it
 
     # ----------------------------------------------------------------------------------------- public
 
@@ -436,6 +778,14 @@ class Rendezvous:
     def generation(self) -> int:
         """The last generation this participant was a member of (-1: none yet)."""
         return self._generation
+
+    @property
+    def _store(self) -> dist.Store:
+        return self._link.store
+
+    def client(self) -> dist.Store:
+        """The run loop's store client now (a new one after the store restarted), without prefix."""
+        return self._link.base
 
     def progress(self) -> None:
         """The run loop is alive: keep heartbeating for another `timeout`."""
@@ -481,31 +831,44 @@ class Rendezvous:
         began = time.monotonic()
         deadline = began + self.join_timeout
         self.progress()
-        self._retry(lambda: self._store.add(hb_key(self.participant), 1))
-        if self._space:  # before this participant's first join event: peers look it up once they see one
-            where = f"{self._space}|{os.getpid()}"
-            self._retry(lambda: self._store.set(where_key(self.participant), where))
+        self._enter()
         self._start_thread()
-        j = start(self.participant, self._generation)
+        j = start(self.participant, self._generation, self._members)
         joined_at = -1
         view = _View()
         propose = self._proposer(view)
-        ops = cast(Ops, self._store)
+        gone = self._leader_gone(view)
+        wait = 3 * TICK
+        rang = time.monotonic()
+        replaced = self._replaced
         while True:
             self.progress()
             before = j
-            j = self._retry(functools.partial(step, j, ops, propose))
+            try:
+                j = self._retry(functools.partial(self._step, j, propose, gone, wait), join=True)
+            except _Replaced:
+                j = start(self.participant, self._generation, self._members)
+                self._enter()
+                continue
+            if self._replaced != replaced:  # the heartbeat thread found the store restarted
+                replaced = self._replaced
+                j = start(self.participant, self._generation, self._members)
+                continue
             if j.phase == "done":
                 break
-            if before.phase == "append":
+            if before.phase == "put":
                 joined_at = j.round
-            if j.phase == "poll" and j == before:
-                if time.monotonic() > deadline:
+            if j.phase == "poll" and before.phase in ("count", "read"):  # judged: not yet
+                now = time.monotonic()
+                if now > deadline:
                     if self.fit is not None and any(p in view.alive for p in view.prev):
                         # a spare: a generation trains without it; it waits for the next change
-                        deadline = time.monotonic() + self.join_timeout
+                        deadline = now + self.join_timeout
                     else:
                         raise self._join_timeout_error(j, view)
+                if now - rang >= TICK:  # the waiters' sign that their leader still judges
+                    self._retry(functools.partial(ring, self._link.ops, j.round))
+                    rang = now
                 time.sleep(min(0.02, self.period / 2))
         if j.finished:
             log.debug("rendezvous: %s: the run is finished, nothing to join", self.participant)
@@ -514,15 +877,19 @@ class Rendezvous:
         with self._lock:
             self._generation = j.round
             self._members = members
-            self._pending = False
+            self._pending = self._stale = False
+            # a new generation: every member is seen afresh from now (a reading of an earlier round is
+            # no baseline: a member judged at it would look stale at once)
+            self._ages, self._seen, self._observed_at = {}, {}, None
         log.debug(
-            "rendezvous: %s is rank %d of generation %d %s after %.3f s (joined round %d)",
+            "rendezvous: %s is rank %d of generation %d %s after %.3f s (joined round %d, leader %s)",
             self.participant,
             members.index(self.participant),
             j.round,
             list(members),
             time.monotonic() - began,
             joined_at,
+            j.leader,
         )
         return Membership(
             generation=j.round,
@@ -540,7 +907,7 @@ class Rendezvous:
         then waits for this member up to `grace` instead of `expiry`, and every member's `pending()`
         turns True. One store write; fails soft.
         """
-        self._write(f"~{self.participant},", "announce its regroup")
+        self._write(f"~{self.participant}", "announce its regroup")
 
     def pending(self) -> bool:
         """Someone waits to join, a member left or announced a regroup, or a newer generation formed: end
@@ -549,49 +916,60 @@ class Rendezvous:
         return self._pending
 
     def alive(self) -> set[str]:
-        """The members of the current generation whose heartbeat is fresh (one store read; this
-        participant counts while it makes progress)."""
+        """The members of the current generation whose heartbeat is fresh (one store read: the monitor's
+        summary, or on the monitor every member's counter; this participant counts while it makes
+        progress)."""
         members = self._members
-        others = [p for p in members if p != self.participant]
         with contextlib.suppress(*_STORE_ERRORS):
-            self._observe(self._store, others)
-        now = time.monotonic()
-        fresh = {p for p in others if self._fresh(p, now, self.expiry)}
-        if self.participant in members and self._making_progress(now):
+            pending = self._refresh(self._link.ops)
+            if pending is not None:
+                with self._lock:
+                    self._pending = pending or self._stale
+        gone = set(self.expired())
+        fresh = {p for p in members if p != self.participant and p not in gone}
+        if self.participant in members and self._making_progress(time.monotonic()):
             fresh.add(self.participant)
         return fresh
 
     def expired(self, within: float | None = None) -> list[str]:
-        """The other members of the current generation that are gone as this participant last saw them:
-        their process exited (same host), or their counter had not changed for `within` seconds (default
-        `expiry`) when the heartbeat thread last read the counters. Reads no store. Judged at the reads,
-        not now: a participant whose own heartbeat thread was held up (the GIL, an unreachable store) sees
-        nobody expire until it reads again, so it never blames its peers for its own stall."""
+        """The other members of the current generation that are gone as last seen: their process exited
+        (same host), or their counter had not changed for `within` seconds (default `expiry`) when it was
+        last read (by the monitor, or by this participant for the monitor itself). Reads no store. Judged
+        at the reads, not now: a participant whose own heartbeat thread was held up (the GIL, an
+        unreachable store) sees nobody expire until it reads again, so it never blames its peers for its
+        own stall."""
         with self._lock:
             members, observed = self._members, self._observed_at
-            seen = dict(self._seen)
+            seen, ages = dict(self._seen), dict(self._ages)
         exited = self.exited()
         limit = self.expiry if within is None else within
+        monitor = members[0] if members else ""
         out = []
         for p in members:
             if p == self.participant:
                 continue
-            last = seen.get(p)
-            if p in exited or (last is not None and observed is not None and observed - last.changed > limit):
+            if p in exited:
+                out.append(p)
+            elif self.participant == monitor or p == monitor:
+                last = seen.get(p)
+                if last is not None and observed is not None and observed - last.changed > limit:
+                    out.append(p)
+            elif ages.get(p, 0.0) > limit:
                 out.append(p)
         return out
 
     def leave(self) -> None:
         """A planned departure: the others end the generation at their next check and go on without it."""
         self._left = True
-        self._write(f"-{self.participant},", "announce its departure")
+        self._write(f"-{self.participant}", "announce its departure")
 
     def finish(self) -> None:
         """The function returned in the current generation: the run is finished, every later join (and any
         join waiting in the next round) returns None. Fails soft."""
         try:
             self._store.set(FINISHED, str(self._generation))
-            cast(Ops, self._store).append(log_key(self._generation + 1), "!,")
+            self._link.ops.compare_set(decision_key(self._generation + 1), "", "!")
+            ring(self._link.ops, self._generation + 1)
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not mark the run finished in the store at %s (%s)",
@@ -606,18 +984,96 @@ class Rendezvous:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout=max(1.0, 4 * self.period))
+            thread.join(timeout=max(1.0, 4 * self.period) + RECONNECT)
             if not thread.is_alive():
-                self._beat_store = None
+                self._beat_link = None
 
     # ---------------------------------------------------------------------------------------- private
 
+    def _step(self, j: Joiner, propose: Propose, gone: Gone, wait: float) -> Joiner:
+        return step(j, self._link.ops, propose, gone=gone, seen=self._see, fit=self.fit, wait=wait)
+
+    def _see(self, p: str) -> None:
+        self._observe(self._link.ops, [p])
+
+    def _clone(self) -> dist.Store:
+        """A new client of the same store. A TCPStore's is made directly, with a short connect timeout
+        (a thread retrying a store that is down must stay responsive to `close`), then the usual one."""
+        base = self._base
+        if isinstance(base, dist.TCPStore):
+            store = dist.TCPStore(
+                base.host,
+                base.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=min(self.timeout, RECONNECT)),
+            )
+            store.set_timeout(base.timeout)  # type: ignore[attr-defined]
+            return store
+        return base.clone()  # type: ignore[attr-defined]
+
+    def _enter(self) -> None:
+        """Before a join: beat, learn the store's life (or name it), say where this participant runs."""
+        ops = self._link.ops
+        self._retry(lambda: ops.add(hb_key(self.participant), 1))
+        token = self._retry(lambda: self._link.ops.compare_set(EPOCH, "", secrets.token_hex(8))).decode()
+        if self._epoch and token != self._epoch:
+            self._reseed(self._link.ops, token)
+        self._epoch = token
+        if self._space:  # before this participant's first join event: peers look it up once they see one
+            where = f"{self._space}|{os.getpid()}"
+            self._retry(lambda: self._link.ops.set(where_key(self.participant), where))
+
+    def _reconnected(self, link: _Link) -> bool:
+        """After `link` was renewed: did the store restart (another life)? Then re-seed it."""
+        raw = link.ops.compare_set(EPOCH, "", secrets.token_hex(8)).decode()
+        if raw == self._epoch:
+            return False
+        log.warning(
+            "rendezvous: %s found the store at %s restarted empty; re-seeding generation %d",
+            self.participant,
+            self.address or "?",
+            self._generation,
+        )
+        self._reseed(link.ops, raw)
+        return True
+
+    def _reseed(self, ops: Ops, epoch: str) -> None:
+        """The store restarted empty: write what the run needs of this participant's generation (its
+        members and ``next``), so that no newcomer forms a generation of its own there."""
+        with self._lock:
+            if self._seeded == epoch:
+                self._epoch = epoch
+                return
+            self._seeded = epoch
+            self._epoch = epoch
+            self._replaced += 1
+            g, members = self._generation, self._members
+        ops.add(hb_key(self.participant), 1)
+        if self._space:
+            ops.set(where_key(self.participant), f"{self._space}|{os.getpid()}")
+        if g < 0:
+            return
+        ops.set(members_key(g, self.participant), "|".join(members))
+        token = f"{self.participant};*;*;{digest(members)}"
+        won = ops.compare_set(decision_key(g), "", token)
+        if won.decode() != token and won != b"!":
+            leader, _ = decode_decision(won, None, None)
+            theirs = peek(ops, members_key(g, leader))
+            if theirs is not None and tuple(theirs.decode().split("|")) != members:
+                # another generation g was decided there first (this one's members were too slow to
+                # re-seed): this generation is stale, end it at the next check
+                log.warning("rendezvous: %s: generation %d was re-decided without it", self.participant, g)
+                self._stale = self._pending = True
+        raise_to(ops, NEXT, g)
+        self._cursor = _Cursor()
+
     def _write(self, event: str, what: str) -> None:
-        """Append `event` to the next round's log (this participant's generation is over for it)."""
+        """Append `event` to the next round's events (this participant's generation is over for it)."""
         if self._generation < 0:
             return
         try:
-            cast(Ops, self._store).append(log_key(self._generation + 1), event)
+            add_event(self._link.ops, self._generation + 1, event.rstrip(","))
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not %s to the store at %s (%s); the others will see its heartbeat stop",
@@ -636,55 +1092,70 @@ class Rendezvous:
         seen = self._seen.get(p)
         return seen is None or now - seen.changed <= within
 
-    def _locate(self, store: dist.Store, names: list[str]) -> None:
+    def _locate(self, store: dist.Store | Ops, names: list[str]) -> None:
         """Learn, once per participant, whether it runs in this process space and with which pid: a
         participant on this host whose process has exited is dead at once, without waiting for its
         heartbeat to expire (a SIGKILLed worker). Elsewhere its heartbeat alone decides."""
         for p in names:
-            if p in self._pids or not self._space or not store.check([where_key(p)]):
+            if p in self._pids or not self._space:
                 continue
-            space, _, pid = store.get(where_key(p)).decode().rpartition("|")
+            raw = peek(_ops(store), where_key(p))
+            if raw is None:
+                continue
+            space, _, pid = raw.decode().rpartition("|")
             self._pids[p] = int(pid) if space == self._space and pid.isdigit() else None
 
-    def _observe(self, store: dist.Store, names: Iterable[str]) -> None:
-        """Read the heartbeat counters of `names` and note when each last changed."""
+    def _observe(self, store: dist.Store | Ops, names: Iterable[str]) -> None:
+        """Read the heartbeat counters of `names` (one multi_get) and note when each last changed."""
         names = list(names)
         if not names:
             return
-        self._locate(store, names)
-        values = store.multi_get([hb_key(p) for p in names])
+        ops = _ops(store)
+        self._locate(ops, names)
+        values = ops.multi_get([hb_key(p) for p in names])
         now = time.monotonic()
         with self._lock:
             self._observed_at = now
             for p, raw in zip(names, values):
-                counter = int(raw.decode() or 0)
-                seen = self._seen.get(p)
-                if seen is None:
-                    self._seen[p] = _Seen(counter, now, confirmed=False)
-                elif seen.counter != counter:
-                    self._seen[p] = _Seen(counter, now, confirmed=True)
+                self._note(p, int(raw.decode() or 0), now)
+
+    def _note(self, p: str, counter: int, now: float) -> None:
+        seen = self._seen.get(p)
+        if seen is None:
+            self._seen[p] = _Seen(counter, now, confirmed=False)
+        elif seen.counter != counter:
+            self._seen[p] = _Seen(counter, now, confirmed=True)
 
     def _proposer(self, view: _View) -> Propose:
-        def propose(n: int, prev: tuple[str, ...], events: Log) -> tuple[str, ...] | None:
+        def propose(n: int, prev: tuple[str, ...], events: Log, orphan: bool) -> tuple[str, ...] | None:
             if view.round != n or view.events != events:
                 view.round, view.events, view.changed = n, events, time.monotonic()
-            others = {p for p in (*prev, *events.joined) if p != self.participant}
-            self._observe(self._store, others)
+            # Only the members of the previous generation that have not joined are read: a joiner is
+            # alive (its join is the sign), a member judged dead by its observer is dead.
+            missing = [
+                p
+                for p in prev
+                if p != self.participant
+                and p not in events.joined
+                and p not in events.left
+                and p not in events.suspected
+            ]
+            self._observe(self._link.ops, missing)
             now = time.monotonic()
 
             # A member that announced its regroup may be stalled in its abort: wait `grace` for it. So
             # does a round no previous member joined yet (a joiner while the generation trains, or every
             # member dead): it is never urgent, and a generation stalled in its start (imports, group
             # init, garbage collection hold the GIL) must not look dead to a newcomer.
-            orphan = not any(q in prev for q in events.joined)
+            nobody = not any(q in prev for q in events.joined)
 
             def alive(p: str) -> bool:
-                within = self.grace if p in events.announced or (orphan and p in prev) else self.expiry
-                return p == self.participant or self._fresh(p, now, within)
-
-            def ready(p: str) -> bool:
-                seen = self._seen.get(p)
-                return p == self.participant or (seen is not None and seen.confirmed and alive(p))
+                if p == self.participant or p in events.joined:
+                    return p not in events.left
+                if p in events.suspected:
+                    return False
+                within = self.grace if p in events.announced or (nobody and p in prev) else self.expiry
+                return self._fresh(p, now, within)
 
             view.prev = prev
             view.alive = tuple(p for p in dict.fromkeys((*prev, *events.joined)) if alive(p))
@@ -692,7 +1163,7 @@ class Rendezvous:
                 prev,
                 events,
                 alive=alive,
-                ready=ready,
+                ready=alive,
                 min_workers=self.first_workers if n == 0 else self.min_workers,
                 max_workers=self.max_workers,
                 quiet=now - view.changed >= self.last_call,
@@ -700,6 +1171,14 @@ class Rendezvous:
             )
 
         return propose
+
+    def _leader_gone(self, view: _View) -> Gone:
+        def gone(leader: str) -> bool:
+            view.leader = leader
+            self._observe(self._link.ops, [leader])
+            return not self._fresh(leader, time.monotonic(), self.expiry)
+
+        return gone
 
     def _join_timeout_error(self, j: Joiner, view: _View) -> ElasticError:
         limits = f"min_workers={self.min_workers}"
@@ -715,8 +1194,9 @@ class Rendezvous:
         )
         return ElasticError(msg)
 
-    def _retry(self, op: Callable[[], T]) -> T:
-        """`op()`, retried while the store is unreachable, for at most `timeout`."""
+    def _retry(self, op: Callable[[], T], *, join: bool = False) -> T:
+        """`op()`, retried while the store is unreachable, for at most `timeout`; the connection is
+        renewed after a failure. `join`: raise `_Replaced` when the store turns out to have restarted."""
         down_since: float | None = None
         while True:
             try:
@@ -732,16 +1212,22 @@ class Rendezvous:
                     )
                     raise ElasticError(msg) from exc
                 time.sleep(min(self.period, 0.05))
+                if self._link.renew():
+                    try:
+                        replaced = self._reconnected(self._link)
+                    except _STORE_ERRORS:
+                        continue
+                    if replaced and join:
+                        raise _Replaced from exc
 
     def _start_thread(self) -> None:
         if self._thread is not None:
             return
-        if self._beat_store is None:
+        if self._beat_link is None:
             try:
-                clone = self._base.clone()  # type: ignore[attr-defined]
-                self._beat_store = dist.PrefixStore(f"elastic/{self.run_id}/", clone)
-            except (*_STORE_ERRORS, AttributeError):
-                self._beat_store = self._store
+                self._beat_link = _Link(self._connect(), self._prefix, self._connect)
+            except (*_STORE_ERRORS, ElasticError, AttributeError):
+                self._beat_link = self._link
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._beat_loop, name=f"elastic-heartbeat-{self.participant}", daemon=True
@@ -749,10 +1235,14 @@ class Rendezvous:
         self._thread.start()
 
     def _beat_loop(self) -> None:
-        store = self._beat_store if self._beat_store is not None else self._store
+        link = self._beat_link if self._beat_link is not None else self._link
         while not self._stop.wait(self.period):
             try:
-                self._beat_once(store)
+                if self._store_down_since is not None:
+                    if not link.renew():
+                        continue
+                    self._reconnected(link)
+                self._beat_once(link.ops)
             except _STORE_ERRORS as exc:
                 if self._store_down_since is None:
                     self._store_down_since = time.monotonic()
@@ -767,16 +1257,88 @@ class Rendezvous:
             else:
                 self._store_down_since = None
 
-    def _beat_once(self, store: dist.Store) -> None:
+    def _beat_once(self, ops: Ops) -> None:
         if self._making_progress(time.monotonic()):
-            store.add(hb_key(self.participant), 1)
+            self._counter = ops.add(hb_key(self.participant), 1)
+        pending = self._refresh(ops, write=True)
+        if pending is not None:
+            with self._lock:
+                self._pending = pending or self._stale
+
+    def _refresh(self, ops: Ops, *, write: bool = False) -> bool | None:
+        """Read what liveness and `pending` need this period: the monitor (rank 0) every member's counter,
+        the next round's new events and whether it is decided, then writes its summary (`write`); every
+        other member the summary alone. Whether the generation must end (None: no generation)."""
         with self._lock:
-            generation, members = self._generation, self._members
-        if generation < 0:
-            return
-        self._observe(store, [p for p in members if p != self.participant])
-        raw = read(cast(Ops, store), log_key(generation + 1))
-        pending = pending_from(raw, members, self.max_workers, self.fit)
+            g, members = self._generation, self._members
+        if g < 0 or not members:
+            return None
+        if members[0] == self.participant:
+            return self._monitor(ops, g, members, write)
+        return self._follow(ops, g, members)
+
+    def _monitor(self, ops: Ops, g: int, members: tuple[str, ...], write: bool) -> bool:
+        others = [p for p in members if p != self.participant]
+        self._observe(ops, others)
+        c = self._cursor if self._cursor.round == g + 1 else _Cursor(round=g + 1)
+        count = ops.add(count_key(g + 1), 0)
+        tokens, holes = list(c.tokens), []
+        for i in (*c.holes, *range(c.read + 1, count + 1)):
+            raw = peek(ops, event_key(g + 1, i))
+            if raw is None:
+                holes.append(i)
+            else:
+                tokens.append(raw.decode())
+        self._cursor = _Cursor(round=g + 1, read=max(c.read, count), holes=tuple(holes), tokens=tuple(tokens))
+        events = parse_events(tokens)
+        decided = ops.check([decision_key(g + 1)])
+        now = time.monotonic()
         with self._lock:
-            if self._generation == generation:
-                self._pending = pending
+            observed = self._observed_at if self._observed_at is not None else now
+            ages = {
+                p: observed - s.changed
+                for p in others
+                if (s := self._seen.get(p)) is not None and observed - s.changed > self.expiry
+            }
+        dead = [p for p in others if p in ages or p in self.exited()]
+        for p in dead:
+            if (g + 1, p) not in self._reported and p not in events.suspected:
+                add_event(ops, g + 1, f"?{p}")
+                self._reported.add((g + 1, p))
+        pending = decided or bool(dead) or pending_from(events, members, self.max_workers, self.fit)
+        if write:
+            listed = "|".join(f"{p}:{int(age * 1000)}" for p, age in ages.items())
+            ops.set(summary_key(g), f"{self._counter};{int(pending)};{listed}")
+        return pending
+
+    def _follow(self, ops: Ops, g: int, members: tuple[str, ...]) -> bool:
+        monitor = members[0]
+        raw = peek(ops, summary_key(g))
+        now = time.monotonic()
+        pending = False
+        ages: dict[str, float] = {}
+        with self._lock:
+            if raw is not None:
+                counter, flag, listed = raw.decode().split(";")
+                self._note(monitor, int(counter or 0), now)
+                pending = flag == "1"
+                for item in listed.split("|") if listed else ():
+                    p, _, ms = item.rpartition(":")
+                    ages[p] = int(ms) / 1000
+            elif monitor not in self._seen:
+                self._note(monitor, -1, now)
+            self._observed_at = now
+            self._ages = ages
+        self._locate(ops, [monitor])
+        if not self._fresh(monitor, now, self.expiry):
+            if (g + 1, monitor) not in self._reported:
+                add_event(ops, g + 1, f"?{monitor}")
+                self._reported.add((g + 1, monitor))
+            pending = True
+        return pending
+
+
+def _ops(store: dist.Store | Ops) -> _StoreOps:
+    if isinstance(store, _StoreOps):
+        return store
+    return _StoreOps(store)  # type: ignore[arg-type]

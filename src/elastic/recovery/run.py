@@ -68,7 +68,7 @@ from elastic.checkpoint.saveload import load
 from elastic.recovery.builder import Built, MeshPlan, warm_up
 from elastic.recovery.fork import install as release_connections_in_forked_children
 from elastic.recovery.rendezvous import Rendezvous
-from elastic.recovery.store import connect, format_address, parse_address
+from elastic.recovery.store import connect, connect_first, format_address, parse_addresses
 from elastic.replication.sync import sync, tenure
 from elastic.state.config import config_of, is_elastic_state
 from elastic.state.tree import tensor_index
@@ -953,8 +953,17 @@ def run(
     td = as_timedelta(timeout, "elastic.run") or DEFAULT_TIMEOUT
     join_td = as_timedelta(join_timeout, "elastic.run") or DEFAULT_JOIN_TIMEOUT
 
-    host, port = parse_address(rdzv)
-    store = connect(host, port, timeout=td)
+    addresses = parse_addresses(rdzv)
+    if len(addresses) == 1:
+        store = connect(*addresses[0], timeout=td)
+    else:
+        store, _ = connect_first(addresses, timeout=td)
+
+    def reconnect() -> Any:  # the first of the addresses that answers now (a restarted store, a standby)
+        return connect_first(addresses, timeout=td, attempt=timedelta(seconds=min(td.total_seconds(), 1.0)))[
+            0
+        ]
+
     participant = _participant_id()
     rendezvous = Rendezvous(
         store,
@@ -965,7 +974,8 @@ def run(
         first_workers=first_workers,
         join_timeout=join_td,
         timeout=td,
-        address=format_address(host, port),
+        address=", ".join(format_address(h, p) for h, p in addresses),
+        connect=reconnect,
         fit=built.plan.fit if built is not None else None,
     )
     try:
@@ -981,7 +991,7 @@ def run(
                 timeout=td,
                 check_every=check_every,
                 built=built,
-                store_address=(host, port),
+                store_addresses=tuple(addresses),
             )
             return loop.run()
     finally:
@@ -1066,8 +1076,8 @@ class _Loop:
     timeout: timedelta
     check_every: int
     built: Built | None = None
-    #: the store's (host, port): the watch never shuts down connections to it
-    store_address: tuple[str, int] = ("", 0)
+    #: the stores' (host, port): the watch never shuts down connections to them
+    store_addresses: tuple[tuple[str, int], ...] = ()
     stalls: _Stalls = attrs.field(factory=lambda: _Stalls(STALL_LIMIT))
     ended_at: float = attrs.field(factory=time.monotonic)
 
@@ -1088,11 +1098,13 @@ class _Loop:
 
     def generation(self, membership: Any) -> Any:
         """One generation: `_AGAIN` when the next one must form, else `run`'s return value."""
-        gen = _Generation(self.store, membership)
+        # the rendezvous' client now: a new one after the store restarted
+        store = getattr(self.rendezvous, "client", lambda: self.store)()
+        gen = _Generation(store, membership)
         # The connections the generation's groups open from here on (gloo: what the watch shuts down).
-        sockets = Sockets(keep=[self.store_address]) if self.backend == "gloo" else None
+        sockets = Sockets(keep=list(self.store_addresses)) if self.backend == "gloo" else None
         try:
-            group = _new_group(self.store, membership, self.backend, self.timeout)
+            group = _new_group(store, membership, self.backend, self.timeout)
         except Exception as exc:
             _strip(exc)
             gen.announce("process group failed to form")

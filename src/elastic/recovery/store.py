@@ -14,7 +14,15 @@ import torch.distributed as dist
 
 from elastic._util.errors import ElasticError
 
-__all__ = ["RDZV_ENV", "connect", "format_address", "parse_address", "serve"]
+__all__ = [
+    "RDZV_ENV",
+    "connect",
+    "connect_first",
+    "format_address",
+    "parse_address",
+    "parse_addresses",
+    "serve",
+]
 
 RDZV_ENV = "ELASTIC_RDZV"
 
@@ -47,6 +55,47 @@ def parse_address(rdzv: str | None) -> tuple[str, int]:
         )
         raise ElasticError(msg)
     return host, int(port_text)
+
+
+def parse_addresses(rdzv: str | None) -> list[tuple[str, int]]:
+    """The ``(host, port)`` of each address of a comma-separated list (``"h1:29400,h2:29400"``: a store and
+    its standbys, tried in order), or of ``$ELASTIC_RDZV`` when `rdzv` is None. ElasticError as in
+    `parse_address`, naming the malformed one."""
+    if rdzv is None:
+        rdzv = os.environ.get(RDZV_ENV)
+        if not rdzv:
+            return [parse_address(None)]  # raises, saying how to give one
+    parts = [part for part in rdzv.split(",") if part.strip()]
+    if not parts:
+        return [parse_address(rdzv)]
+    return [parse_address(part) for part in parts]
+
+
+def connect_first(
+    addresses: list[tuple[str, int]], *, timeout: timedelta, attempt: timedelta | None = None
+) -> tuple[dist.Store, tuple[str, int]]:
+    """A client of the first store of `addresses` that answers, and its address; each is given `attempt`
+    (default `timeout`) to answer, and the client's operations are bounded by `timeout`. ElasticError
+    naming every address when none answers."""
+    errors = []
+    for host, port in addresses:
+        try:
+            store = dist.TCPStore(
+                host, port, is_master=False, timeout=attempt or timeout, wait_for_workers=False
+            )
+        except (RuntimeError, OSError) as exc:
+            errors.append(f"{format_address(host, port)}: {str(exc).splitlines()[0] if str(exc) else exc}")
+            continue
+        if attempt is not None:
+            store.set_timeout(timeout)
+        return store, (host, port)
+    listed = ", ".join(format_address(h, p) for h, p in addresses)
+    seconds = (attempt or timeout).total_seconds()
+    msg = (
+        f"elastic: cannot reach any rendezvous store of [{listed}] within {seconds:g} s each "
+        f"({'; '.join(errors)}); start one with `python -m elastic.store --port P` or check {RDZV_ENV}"
+    )
+    raise ElasticError(msg)
 
 
 def format_address(host: str, port: int) -> str:
