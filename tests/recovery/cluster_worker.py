@@ -2,7 +2,10 @@
 
 Trains a toy replicated state under `elastic.run`; after every step it appends a JSON line (generation,
 size, rank, step) to ``OUT/<host>.jsonl`` for the test to follow; at the end the final step, values and
-world sizes. Done once the world was 3, then smaller, then 3 again, and 30 steps came after that.
+world sizes. Done once the world sizes went through ``$ELASTIC_TEST_PLAN`` (default ``3,2,3``: 3, then
+smaller, then 3 again) and 30 steps came after that; ``$ELASTIC_TEST_FIRST`` workers form the first
+generation (default 3). Every step adds step+1 to ``w``: ``w == step * (step + 1) / 2`` at the end says
+that every step was applied exactly once (none lost, none twice).
 """
 
 from __future__ import annotations
@@ -38,10 +41,14 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = (out / f"{host}.jsonl").open("a", buffering=1)
 
+    plan = [int(x) for x in os.environ.get("ELASTIC_TEST_PLAN", "3,2,3").split(",")]
+    first = int(os.environ.get("ELASTIC_TEST_FIRST", "3"))
+    least = int(os.environ.get("ELASTIC_TEST_MIN", "2"))
+
     def train(s: Toy, world: Any) -> dict[str, Any]:
         if not s.sizes or s.sizes[-1] != world.size:
             s.sizes.append(world.size)
-            if world.size == 3 and len(s.sizes) > 1:
+            if s.back_at < 0 and s.sizes[-len(plan) :] == plan:
                 s.back_at = s.step
         while not (s.back_at >= 0 and s.step >= s.back_at + 30):
             world.check()
@@ -54,7 +61,7 @@ def main() -> None:
         return {"step": s.step, "w": s.w.tolist(), "sizes": s.sizes}
 
     result = elastic.run(
-        train, Toy(w=torch.zeros(4)), rdzv=rdzv, min_workers=2, first_workers=3, timeout=timeout
+        train, Toy(w=torch.zeros(4)), rdzv=rdzv, min_workers=least, first_workers=first, timeout=timeout
     )
     lines.write(json.dumps({"final": result}) + "\n")
 

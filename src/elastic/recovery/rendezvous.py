@@ -771,6 +771,7 @@ class Rendezvous:
         self._seeded = ""  # the store life this participant re-seeded
         self._replaced = 0  # how many times the store was found restarted
         self._counter = 0  # this participant's heartbeat counter, as the store last returned it
+        self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
 
     # ----------------------------------------------------------------------------------------- public
 
@@ -785,7 +786,15 @@ class Rendezvous:
 
     def client(self) -> dist.Store:
         """The run loop's store client now (a new one after the store restarted), without prefix."""
+        self._main()
         return self._link.base
+
+    def _main(self) -> Ops:
+        """The run loop's store operations, on a new connection once the heartbeat thread found the
+        store restarted (the old one stays broken)."""
+        if self._renew_main:
+            self._renew_main = not self._link.renew()
+        return self._link.ops
 
     def progress(self) -> None:
         """The run loop is alive: keep heartbeating for another `timeout`."""
@@ -831,6 +840,7 @@ class Rendezvous:
         began = time.monotonic()
         deadline = began + self.join_timeout
         self.progress()
+        self._main()
         self._enter()
         self._start_thread()
         j = start(self.participant, self._generation, self._members)
@@ -921,7 +931,7 @@ class Rendezvous:
         progress)."""
         members = self._members
         with contextlib.suppress(*_STORE_ERRORS):
-            pending = self._refresh(self._link.ops)
+            pending = self._refresh(self._main())
             if pending is not None:
                 with self._lock:
                     self._pending = pending or self._stale
@@ -967,9 +977,10 @@ class Rendezvous:
         """The function returned in the current generation: the run is finished, every later join (and any
         join waiting in the next round) returns None. Fails soft."""
         try:
-            self._store.set(FINISHED, str(self._generation))
-            self._link.ops.compare_set(decision_key(self._generation + 1), "", "!")
-            ring(self._link.ops, self._generation + 1)
+            ops = self._main()
+            ops.set(FINISHED, str(self._generation))
+            ops.compare_set(decision_key(self._generation + 1), "", "!")
+            ring(ops, self._generation + 1)
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not mark the run finished in the store at %s (%s)",
@@ -1014,8 +1025,7 @@ class Rendezvous:
 
     def _enter(self) -> None:
         """Before a join: beat, learn the store's life (or name it), say where this participant runs."""
-        ops = self._link.ops
-        self._retry(lambda: ops.add(hb_key(self.participant), 1))
+        self._retry(lambda: self._link.ops.add(hb_key(self.participant), 1))
         token = self._retry(lambda: self._link.ops.compare_set(EPOCH, "", secrets.token_hex(8))).decode()
         if self._epoch and token != self._epoch:
             self._reseed(self._link.ops, token)
@@ -1048,6 +1058,7 @@ class Rendezvous:
             self._seeded = epoch
             self._epoch = epoch
             self._replaced += 1
+            self._renew_main = True
             g, members = self._generation, self._members
         ops.add(hb_key(self.participant), 1)
         if self._space:
@@ -1073,7 +1084,7 @@ class Rendezvous:
         if self._generation < 0:
             return
         try:
-            add_event(self._link.ops, self._generation + 1, event.rstrip(","))
+            add_event(self._main(), self._generation + 1, event.rstrip(","))
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not %s to the store at %s (%s); the others will see its heartbeat stop",

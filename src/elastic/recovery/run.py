@@ -414,8 +414,18 @@ class _Generation:
     """
 
     def __init__(self, store: Any, membership: Any) -> None:
-        self.store = dist.PrefixStore(f"{membership.prefix}/elastic-run", store)
+        #: the store, or a callable giving the rendezvous' client now (renewed after a store restart)
+        self._client = store if callable(store) else (lambda: store)
+        self._base: Any = None
+        self._prefixed: Any = None
         self.membership = membership
+
+    @property
+    def store(self) -> Any:
+        base = self._client()
+        if base is not self._base:
+            self._base, self._prefixed = base, dist.PrefixStore(f"{self.membership.prefix}/elastic-run", base)
+        return self._prefixed
 
     def _set(self, key: str, value: str) -> None:
         with contextlib.suppress(Exception):
@@ -1099,8 +1109,9 @@ class _Loop:
     def generation(self, membership: Any) -> Any:
         """One generation: `_AGAIN` when the next one must form, else `run`'s return value."""
         # the rendezvous' client now: a new one after the store restarted
-        store = getattr(self.rendezvous, "client", lambda: self.store)()
-        gen = _Generation(store, membership)
+        client = getattr(self.rendezvous, "client", lambda: self.store)
+        store = client()
+        gen = _Generation(client, membership)
         # The connections the generation's groups open from here on (gloo: what the watch shuts down).
         sockets = Sockets(keep=list(self.store_addresses)) if self.backend == "gloo" else None
         try:
