@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -512,3 +513,94 @@ def test_expired_is_judged_at_the_heartbeat_threads_readings_not_now() -> None:
     assert rdzv.expired() == ["slow", "quiet"]
     rdzv._members = ("me", "slow")  # only members of the current generation count
     assert rdzv.expired() == ["slow"]
+
+
+# --------------------------------------------------------------------------- decisions, events, restarts
+
+
+def test_a_decision_is_a_change_of_the_previous_generation_checked_by_its_digest() -> None:
+    prev = ("1.a", "2.b", "3.c")
+    members = ("1.a", "3.c", "4.d")
+    token = rendezvous.encode_decision("3.c", members, prev)
+    assert token == f"3.c;2.b;4.d;{rendezvous.digest(members)}"  # a few bytes: who left, who came
+    assert rendezvous.decode_decision(token.encode(), prev, None) == ("3.c", members)
+    # a reader that does not know the previous generation (a newcomer) reads the leader's whole list
+    assert rendezvous.decode_decision(token.encode(), None, None) == ("3.c", None)
+    # a reader whose rebuild differs (another mesh, another previous list) notices it by the digest
+    assert rendezvous.decode_decision(token.encode(), (*prev, "5.e"), None) == ("3.c", None)
+    # a re-seeded decision (a restarted store) names its writer only
+    assert rendezvous.decode_decision(b"2.b;*;*;0", prev, None) == ("2.b", None)
+
+
+def test_a_leader_reads_events_once_and_again_only_the_ones_not_yet_written() -> None:
+    from rdzv_model import MemStore
+
+    store = MemStore()
+    store.set(rendezvous.decision_key(0), rendezvous.encode_decision("a", ("a", "b"), ()))
+    store.set(rendezvous.members_key(0, "a"), "a|b")
+    rendezvous.add_event(store, 1, "+b")
+    slow = store.add(rendezvous.count_key(1), 1)  # numbered by a slow writer, not written yet
+    seen: list[tuple[str, ...]] = []
+
+    def propose(n: int, prev: tuple[str, ...], log: Log, orphan: bool) -> tuple[str, ...] | None:
+        seen.append(log.joined)
+        return ("a", "b", "c") if "c" in log.joined else None
+
+    j = rendezvous.start("a", 0, ("a", "b"))
+    while j.phase != "poll" or not seen:
+        j = rendezvous.step(j, store, propose)
+    assert j.leader == "a" and j.holes == (slow,) and seen[-1] == ("b", "a")
+    reads = len(j.events)
+    store.set(rendezvous.event_key(1, slow), "+c")  # the slow writer's event arrives
+    while j.phase != "done":
+        j = rendezvous.step(j, store, propose)
+    assert j.decision == ("a", "b", "c") and seen[-1] == ("b", "a", "c")
+    assert len(j.events) == reads + 1  # the hole was read again, nothing else
+    assert rendezvous.read_round(store, 1).decision == ("a", "b", "c")  # type: ignore[arg-type]
+    assert store.data[rendezvous.NEXT] == b"2"
+
+
+def test_a_store_restarted_empty_is_re_seeded_and_a_newcomer_joins_the_members() -> None:
+    from elastic.recovery.store import serve
+
+    server = serve("127.0.0.1", 0, timeout=TIMEOUT)
+    port = server.port
+    a, b = _pair(port, timeout=timedelta(seconds=2))
+    ma, mb = _join_all([a, b])
+    assert ma.generation == 0 and ma.members == mb.members
+    stop = threading.Event()
+    got: dict[str, list[Any]] = {"a": [ma], "b": [mb]}
+
+    def train(r: rendezvous.Rendezvous, name: str) -> None:
+        while not stop.is_set():
+            r.progress()
+            if r.pending():
+                got[name].append(r.join())
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=train, args=(r, n), daemon=True) for r, n in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    c: rendezvous.Rendezvous | None = None
+    try:
+        del server
+        time.sleep(0.2)
+        server = serve("127.0.0.1", port, timeout=TIMEOUT)  # a new, empty store at the same address
+        assert server.port == port
+        (c,) = _pair(port, names=("c",), timeout=timedelta(seconds=2))
+        mc = c.join()  # at once, racing the members' re-seed
+        assert mc is not None and mc.generation > 0 and sorted(mc.members) == ["a", "b", "c"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(got[n][-1].generation == mc.generation for n in got):
+            time.sleep(0.02)
+        assert [got[n][-1].members for n in ("a", "b")] == [mc.members, mc.members]
+        assert all(m.generation > 0 for n in got for m in got[n][1:])  # nobody formed a generation 0 there
+        log = rendezvous.read_round(c._store, 0)
+        assert log.decision == ma.members  # re-seeded by the members: generation 0 is theirs
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        for r in (a, b, c):
+            if r is not None:
+                r.close()

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from elastic import ElasticError
-from elastic.recovery.store import RDZV_ENV, connect, format_address, parse_address, serve
+from elastic.recovery.store import (
+    RDZV_ENV,
+    connect,
+    connect_first,
+    format_address,
+    parse_address,
+    parse_addresses,
+    serve,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +43,28 @@ def test_parse_address_from_argument_and_environment(monkeypatch: pytest.MonkeyP
 def test_parse_address_rejects_malformed(bad: str) -> None:
     with pytest.raises(ElasticError, match=re.escape(repr(bad))):
         parse_address(bad)
+
+
+def test_a_list_of_addresses_is_tried_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_addresses("a:1, b:2,") == [("a", 1), ("b", 2)]
+    monkeypatch.setenv(RDZV_ENV, "h:3")
+    assert parse_addresses(None) == [("h", 3)]
+    with pytest.raises(ElasticError, match=re.escape("'b:x'")):
+        parse_addresses("a:1,b:x")
+    server = serve("127.0.0.1", 0, timeout=timedelta(seconds=5))
+    dead = serve("127.0.0.1", 0, timeout=timedelta(seconds=5))
+    dead_port = dead.port
+    del dead  # nobody listens there now
+    store, address = connect_first(
+        [("127.0.0.1", dead_port), ("127.0.0.1", server.port)],
+        timeout=timedelta(seconds=5),
+        attempt=timedelta(seconds=0.5),
+    )
+    assert address == ("127.0.0.1", server.port)  # the first that answers: the standby
+    store.set("k", "v")
+    assert server.get("k") == b"v"
+    with pytest.raises(ElasticError, match=rf"any rendezvous store of \[127\.0\.0\.1:{dead_port}\]"):
+        connect_first([("127.0.0.1", dead_port)], timeout=timedelta(seconds=1), attempt=timedelta(seconds=0.3))
 
 
 def test_serve_and_connect_share_keys_and_name_unreachable_address() -> None:
