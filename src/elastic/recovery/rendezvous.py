@@ -107,7 +107,7 @@ def tick_key(n: int, k: int) -> str:
 
 
 #: how long one attempt to reach a store that went away may take (seconds)
-RECONNECT = 1.0
+RECONNECT = 0.25
 #: how often a round's leader rings while it judges (the others wait for its ticks with `store.wait`)
 TICK = 0.5
 
@@ -747,6 +747,7 @@ class Rendezvous:
         self._beat_link: _Link | None = None
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
+        self._known: set[str] = set()  # participants whose counter exists in this store's life
         self._observed_at: float | None = None  # the last successful read of the heartbeat counters
         #: the monitor's last summary: member -> seconds its counter had not changed (past `expiry`)
         self._ages: dict[str, float] = {}
@@ -1059,6 +1060,7 @@ class Rendezvous:
             self._epoch = epoch
             self._replaced += 1
             self._renew_main = True
+            self._known = set()
             g, members = self._generation, self._members
         ops.add(hb_key(self.participant), 1)
         if self._space:
@@ -1123,12 +1125,22 @@ class Rendezvous:
             return
         ops = _ops(store)
         self._locate(ops, names)
-        values = ops.multi_get([hb_key(p) for p in names])
+        # multi_get blocks on a missing key: read it only for counters known to exist in this store's
+        # life; the others (never beaten here: dead before a restart, or not yet back) one by one
+        known = [p for p in names if p in self._known]
+        values = dict(zip(known, ops.multi_get([hb_key(p) for p in known]))) if known else {}
+        for p in names:
+            if p not in self._known:
+                raw = peek(ops, hb_key(p))
+                if raw is not None:
+                    self._known.add(p)
+                    values[p] = raw
         now = time.monotonic()
         with self._lock:
             self._observed_at = now
-            for p, raw in zip(names, values):
-                self._note(p, int(raw.decode() or 0), now)
+            for p in names:
+                raw = values.get(p)
+                self._note(p, int(raw.decode() or 0) if raw is not None else -1, now)
 
     def _note(self, p: str, counter: int, now: float) -> None:
         seen = self._seen.get(p)

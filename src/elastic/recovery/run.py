@@ -67,7 +67,7 @@ from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
 from elastic.recovery.builder import Built, MeshPlan, warm_up
 from elastic.recovery.fork import install as release_connections_in_forked_children
-from elastic.recovery.rendezvous import Rendezvous
+from elastic.recovery.rendezvous import RECONNECT, Rendezvous
 from elastic.recovery.store import connect, connect_first, format_address, parse_addresses
 from elastic.replication.sync import sync, tenure
 from elastic.state.config import config_of, is_elastic_state
@@ -970,9 +970,9 @@ def run(
         store, _ = connect_first(addresses, timeout=td)
 
     def reconnect() -> Any:  # the first of the addresses that answers now (a restarted store, a standby)
-        return connect_first(addresses, timeout=td, attempt=timedelta(seconds=min(td.total_seconds(), 1.0)))[
-            0
-        ]
+        return connect_first(
+            addresses, timeout=td, attempt=timedelta(seconds=min(td.total_seconds(), RECONNECT))
+        )[0]
 
     participant = _participant_id()
     rendezvous = Rendezvous(
