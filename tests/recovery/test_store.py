@@ -64,7 +64,9 @@ def test_a_list_of_addresses_is_tried_in_order(monkeypatch: pytest.MonkeyPatch) 
     store.set("k", "v")
     assert server.get("k") == b"v"
     with pytest.raises(ElasticError, match=rf"any rendezvous store of \[127\.0\.0\.1:{dead_port}\]"):
-        connect_first([("127.0.0.1", dead_port)], timeout=timedelta(seconds=1), attempt=timedelta(seconds=0.3))
+        connect_first(
+            [("127.0.0.1", dead_port)], timeout=timedelta(seconds=1), attempt=timedelta(seconds=0.3)
+        )
 
 
 def test_serve_and_connect_share_keys_and_name_unreachable_address() -> None:
