@@ -56,7 +56,8 @@ def main() -> None:
             dist.all_reduce(g)
             s.w.add_(g / world.size)
             s.step += 1
-            lines.write(json.dumps({"g": world.generation, "size": world.size, "step": s.step}) + "\n")
+            line = {"g": world.generation, "size": world.size, "step": s.step, "t": time.time()}
+            lines.write(json.dumps(line) + "\n")
             time.sleep(0.05)
         return {"step": s.step, "w": s.w.tolist(), "sizes": s.sizes}
 

@@ -882,7 +882,8 @@ def run(
         fn: ``fn(state, world)``, called once per generation; its value is returned.
         state: an ``@elastic_state`` instance, kept in memory across generations; or a builder,
             ``build(world) -> state``, for a sharded state built on ``world.mesh`` (kept while it stays).
-        rdzv: the rendezvous store's ``"host:port"`` (default ``$ELASTIC_RDZV``).
+        rdzv: the rendezvous store's ``"host:port"`` (default ``$ELASTIC_RDZV``); a comma-separated
+            list names standbys, tried in order (docs/cluster.md says what a standby guarantees).
         run_id: names the run in the store (several runs may share one store).
         min_workers: the fewest members a generation may have.
         max_workers: the most members a generation may have (None: no limit).
