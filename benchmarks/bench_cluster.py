@@ -115,7 +115,7 @@ def one(fault: str) -> dict[str, float]:
             window = [t for t in times if at - 5 < t < at + 5]
             result["members_pause_s"] = max(b - a for a, b in itertools.pairwise(window))
             result["newcomer_first_step_s"] = min(r["t"] for r in _lines(out, "w2")) - at
-            steady = [b - a for a, b in itertools.pairwise(times) if b < at - 1]
+            steady = [b - a for a, b in itertools.pairwise(times) if b < at - 0.2]
             result["steady_step_s"] = statistics.median(steady)
         for p in workers:
             p.kill()

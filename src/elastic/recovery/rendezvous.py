@@ -255,10 +255,12 @@ def decide(
     last call, so that workers starting together form one generation. `fit(n)`: how many of `n` chosen
     workers a generation uses (a sharded state's mesh); the others stay out, as spares of the next round.
     """
+    # sets for the membership tests: linear in the participants, not quadratic (2,048 of them)
     candidates = [p for p in events.joined if ready(p)]
-    ordered = [p for p in prev if p in candidates] + [p for p in candidates if p not in prev]
-    missing = [p for p in prev if p not in events.left and p not in candidates and alive(p)]
-    if missing and sum(p in prev for p in ordered) < max_workers:
+    chosen, before = set(candidates), set(prev)
+    ordered = [p for p in prev if p in chosen] + [p for p in candidates if p not in before]
+    missing = [p for p in prev if p not in events.left and p not in chosen and alive(p)]
+    if missing and sum(p in before for p in ordered) < max_workers:
         return None
     unsure = [p for p in events.joined if not ready(p) and alive(p)]
     if unsure and len(ordered) < max_workers:
@@ -267,7 +269,7 @@ def decide(
         return _ranks(_fitted(ordered[:max_workers], fit), prev, fit)
     if len(ordered) < min_workers:
         return None
-    if not any(p in prev for p in ordered) and not quiet:
+    if not any(p in before for p in ordered) and not quiet:
         return None
     return _ranks(_fitted(ordered, fit), prev, fit)
 
@@ -279,10 +281,12 @@ def _ranks(chosen: list[str], prev: tuple[str, ...], fit: Callable[[int], int] |
     if fit is None or not prev:
         return ranked(chosen)
     places: list[str | None] = [None] * len(chosen)
+    where = {p: i for i, p in enumerate(prev)}
     for p in chosen:
-        if p in prev and prev.index(p) < len(chosen):
-            places[prev.index(p)] = p
-    rest = iter(ranked([p for p in chosen if p not in places]))
+        if p in where and where[p] < len(chosen):
+            places[where[p]] = p
+    placed = set(places)
+    rest = iter(ranked([p for p in chosen if p not in placed]))
     return tuple(p if p is not None else next(rest) for p in places)
 
 
