@@ -119,6 +119,23 @@ def test_plan_opens_a_listener_or_names_the_fallback_alone(monkeypatch: pytest.M
     assert tcp.open_listeners() == 1
 
 
+def test_a_forked_child_holds_none_of_its_parents_listeners() -> None:
+    plan = TcpTransport(min_bytes=0).plan([torch.zeros(10)], _comm())
+    assert plan.address is not None and tcp.open_listeners() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it holds, then leave without running anything else
+        os.write(write, bytes([tcp.open_listeners()]))
+        os._exit(0)
+    os.close(write)
+    held = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert held == b"\x00" and tcp.open_listeners() == 1
+    with socket.create_connection(plan.address, timeout=2):  # the parent's still listens
+        pass
+
+
 def test_a_plan_without_an_address_to_listen_on_takes_the_fallback(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
