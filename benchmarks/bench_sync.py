@@ -10,7 +10,12 @@ same run and interleaved round by round (the order rotates), it times:
 - the same sync with the broadcast transport only (what ranks on different hosts get: gloo broadcasts of
   reused buckets, like the floor over loopback TCP);
 - that transport's `send`/`receive` alone (plan made once, before the rounds): the path between hosts
-  without the sync around it;
+  until this release, without the sync around it;
+- the TCP transport's `send`/`receive` alone (the path between hosts now: connections of its own,
+  `sendmsg` from the source's tensors, `recvmsg_into` the receiver's; planned before each round, outside
+  the timing, since each plan opens its own listening socket: in a sync the plan rides the object
+  payload), and the same sync with the TCP transport as the default (on one host sync would otherwise
+  read the source's memory);
 - one TCP socket between the ranks moving the tensors in place with `sendmsg`/`recvmsg_into` (scatter-
   gather, no packing): not something sync does, a reference for what a path without copies costs;
 - one `dist.broadcast` per tensor (what a hand-written `sync()` does);
@@ -34,6 +39,11 @@ Between two hosts (or network namespaces), one process per host, rank 0's addres
 
     python benchmarks/bench_sync.py --rank 0 --master 10.9.0.1:29511 ...   # on the first host
     python benchmarks/bench_sync.py --rank 1 --master 10.9.0.1:29511 ...   # on the second
+
+Or both ranks on two simulated hosts of this machine (root: two network namespaces behind a bridge, each
+rank in its own pid namespace too, gloo bound to the namespace's interface; `tests/netns.py`):
+
+    python benchmarks/bench_sync.py --netns --case module --methods transport,tcp,sg_socket,sync,sync_tcp
 """
 
 from __future__ import annotations
@@ -45,9 +55,11 @@ import gc
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import attrs
 import torch
@@ -61,6 +73,7 @@ from elastic.replication.transport import default as _transports
 from elastic.replication.transport.broadcast import BroadcastTransport
 from elastic.replication.transport.cma import CrossMemoryTransport
 from elastic.replication.transport.shm import SharedMemoryTransport, shared_cached_bytes
+from elastic.replication.transport.tcp import TcpTransport
 from elastic.state.tensors import TensorMeta
 
 MiB = 2**20
@@ -68,6 +81,8 @@ MiB = 2**20
 DDP_BUCKET_BYTES = 250 * MiB
 #: The transport ranks on different hosts get (the default's fallback).
 BROADCAST = BroadcastTransport()
+#: The transport ranks on different hosts get now (the shared-memory transport's fallback).
+TCP = TcpTransport()
 
 
 @elastic.elastic_state(tenure="step")
@@ -209,6 +224,35 @@ def make_methods(
         if errors:
             raise errors[0]
 
+    tcp_plan: list[object] = [None]
+
+    def tcp_prepare() -> None:  # a fresh plan (listening socket, token) before each round, as each sync has
+        box = [TCP.plan(tensors, comm) if rank == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        tcp_plan[0] = box[0]
+
+    def tcp() -> None:  # the TCP transport's send/receive alone
+        errors: list[BaseException] = []
+        plan = tcp_plan[0]
+        if plan is None or getattr(plan, "address", None) is None:
+            msg = f"the TCP transport planned its fallback alone: {plan!r:.200}"
+            raise RuntimeError(msg)
+        if rank == 0:
+            TCP.send(comm, 0, tensors, metas, plan, errors.append)
+        else:
+            TCP.receive(comm, 0, tensors, metas, plan, errors.append)
+        if errors:
+            raise errors[0]
+
+    tcp.prepare = tcp_prepare  # type: ignore[attr-defined]
+
+    def sync_tcp() -> None:  # sync over the TCP transport (what ranks on other hosts get)
+        previous = _transports.set_default_transport(TCP)
+        try:
+            sync()
+        finally:
+            _transports.set_default_transport(previous)
+
     def sg_socket() -> None:
         assert conn is not None
         move_in_place(conn, views, rank == 0)
@@ -249,6 +293,8 @@ def make_methods(
         "sync": sync,
         "sync_broadcast": sync_broadcast,
         "transport": transport,
+        "tcp": tcp,
+        "sync_tcp": sync_tcp,
         "sg_socket": sg_socket,
         "fast_sync": fast_sync,
         "verify": verify,
@@ -265,6 +311,8 @@ LABELS = {
     "sync": "`elastic.sync(state, force=True)`",
     "sync_broadcast": "`elastic.sync(state, force=True)`, broadcast transport (no shared memory)",
     "transport": "`BroadcastTransport` send/receive alone",
+    "tcp": "`TcpTransport` send/receive alone",
+    "sync_tcp": "`elastic.sync(state, force=True)`, TCP transport",
     "sg_socket": "one TCP socket, `sendmsg`/`recvmsg_into` of the tensors in place (reference)",
     "fast_sync": "`elastic.sync(state)` with nothing to move (fast path)",
     "verify": "`elastic.verify(state)` (digest of every byte)",
@@ -281,7 +329,7 @@ def kept_by(key: str) -> float:
     buffers); 0 for the methods that keep nothing."""
     if key == "sync":
         return float(shared_cached_bytes())
-    if key in ("sync_broadcast", "transport"):
+    if key in ("sync_broadcast", "transport", "tcp", "sync_tcp"):
         return float(_transport.cached_bytes())
     return 0.0
 
@@ -289,6 +337,9 @@ def kept_by(key: str) -> float:
 def time_one(fn: Callable[[], None], key: str) -> tuple[float, float, float, float]:
     """(seconds of the slower rank, CPU seconds of both ranks (all threads), receiver's rise of its
     high-water mark, memory its transport keeps between calls)."""
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:
+        prepare()
     gc.collect()
     trim_heap()
     reset_high_water()
@@ -415,7 +466,7 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
             rise = statistics.median(r for r, _ in res["mem"][key]) / MiB
             kept = max(k for _, k in res["mem"][key]) / MiB
             mem = f"{rise + kept:.1f}"
-            if key in ("sync", "sync_broadcast", "transport"):
+            if key in ("sync", "sync_broadcast", "transport", "tcp", "sync_tcp"):
                 mem += f" ({kept:g} kept + {rise:.1f})"
             cpu = statistics.median(res["cpus"][key]) * 1e3
             ms = statistics.median(ts) * 1e3
@@ -433,6 +484,10 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
                 line += f" ({ratios['sync_broadcast']:.2f}x by broadcasts only)"
             if "transport" in ratios:
                 line += f", the broadcast transport alone {ratios['transport']:.2f}x"
+            if "tcp" in ratios:
+                line += f", the TCP transport alone {ratios['tcp']:.2f}x"
+            if "sync_tcp" in ratios:
+                line += f" (sync by it {ratios['sync_tcp']:.2f}x)"
             line += f", receiver peak extra memory (worst round) {peak:.1f} MiB"
             if "verify" in ratios:
                 line += f"; verify costs {ratios['verify'] / ratios['sync']:.2f}x one sync"
@@ -445,7 +500,30 @@ def report(results: list[dict], rounds: int, load_before: float) -> None:
     print("targets: many tensors <= 2.0x floor and <= 0.8x _broadcast_coalesced; few tensors <= 1.3x floor;")
     print("         a module of 2,000 tensors <= 2.0x floor and <= 0.8x 16 MiB-bucket _broadcast_coalesced;")
     print("         peak extra memory <= 2 buckets of 16 MiB (32 MiB);")
-    print("         the broadcast transport alone, a module of 2,000 tensors <= 1.3x floor")
+    print("         between hosts (the TCP transport alone), a module of 2,000 tensors <= 1.3x floor")
+
+
+def run_on_namespaces(argv: list[str]) -> None:
+    """This benchmark with rank k on simulated host k (`tests/netns.py`: a network and a pid namespace
+    each, behind a bridge, gloo bound to the host's interface); rank 0 prints the table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import netns
+
+    why = netns.why_not()
+    if why is not None:
+        msg = f"--netns needs simulated hosts: {why}"
+        raise SystemExit(msg)
+    with netns.Hosts(2) as hosts:
+        master = f"{hosts.address(0)}:29511"
+        here = str(Path(__file__).resolve())
+        procs = [
+            hosts.popen(k, [sys.executable, here, "--rank", str(k), "--master", master, *argv])
+            for k in (0, 1)
+        ]
+        codes = [proc.wait() for proc in procs]
+    if any(codes):
+        msg = f"the ranks on the simulated hosts exited with {codes}"
+        raise SystemExit(msg)
 
 
 def free_port() -> int:
@@ -461,13 +539,16 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=None, help="state size in MiB (default 128, quick 16)")
     parser.add_argument(
         "--methods",
-        default="floor,sync,sync_broadcast,transport,sg_socket,fast_sync,verify,per_tensor,object_list,"
-        "coalesced,coalesced16,coalesced_1t",
+        default="floor,sync,sync_broadcast,sync_tcp,transport,tcp,sg_socket,fast_sync,verify,per_tensor,"
+        "object_list,coalesced,coalesced16,coalesced_1t",
         help="comma-separated subset of the methods (floor is always kept): " + ",".join(LABELS),
     )
     parser.add_argument("--case", choices=["many", "few", "module", "both", "all"], default="all")
     parser.add_argument("--rank", type=int, default=None, help="run this rank only (one process per host)")
     parser.add_argument("--master", default=None, help="HOST:PORT of rank 0, with --rank")
+    parser.add_argument(
+        "--netns", action="store_true", help="run the two ranks on two simulated hosts (root; tests/netns.py)"
+    )
     args = parser.parse_args()
     mib = args.mib or (16 if args.quick else 128)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -484,6 +565,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
     load = os.getloadavg()[0]
+    if args.netns:
+        run_on_namespaces([a for a in sys.argv[1:] if a != "--netns"])
+        return
     if args.rank is not None:
         if args.master is None or args.rank not in (0, 1):
             parser.error("--rank 0 or 1 needs --master HOST:PORT")

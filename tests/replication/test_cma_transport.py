@@ -118,6 +118,14 @@ def test_the_token_check_reads_only_the_source() -> None:
     assert bad is not None and "failed" in bad
 
 
+def test_the_host_key_names_this_kernel_and_pid_namespace() -> None:
+    key = cma.host_key()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert key == f"{f.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    plan = CrossMemoryTransport(min_bytes=0).plan([torch.zeros(4)], _comm())
+    assert plan.host == key and pickle.loads(pickle.dumps(plan)).host == key
+
+
 def test_a_forked_child_draws_its_own_token() -> None:
     read, write = os.pipe()
     pid = os.fork()
@@ -242,6 +250,10 @@ def _two_rank_checks(rank: int, world: int) -> dict[str, Any]:
     chosen = CrossMemoryTransport(min_bytes=0, fallback=ring)
     out: dict[str, Any] = {"first": _transfer(rank, chosen), "second": _transfer(rank, chosen)}
     out["nothing kept"] = shm.shared_cached_bytes() == 0
+    # rank 1 finds the source under another kernel or pid namespace: every rank skips the ring for the
+    # ring's own fallback (the TCP connections)
+    out["elsewhere"] = _transfer(rank, chosen, lambda p: p._replace(host="another-boot/4026531836"))
+    out["ring skipped"] = shm.shared_cached_bytes() == 0
     # rank 1 holds a plan it cannot verify (another process's token): both take the shared-memory ring
     out["fallback"] = _transfer(rank, chosen, lambda p: p._replace(source=p.source._replace(token=bytes(16))))
     out["ring kept"] = shm.shared_cached_bytes() > 0
@@ -297,6 +309,11 @@ def test_transfers_on_two_ranks() -> None:
         assert receiver[key]["wrong"] == [] and receiver[key]["moved"] == [], key
         assert receiver[key]["parameter kept"], key
     assert source["nothing kept"] and receiver["nothing kept"]
+    # another host: the flag round, the fallback plan's broadcast (size, bytes), the TCP agreement
+    for side in (source, receiver):
+        assert side["elsewhere"]["errors"] == [] and side["ring skipped"]
+        assert side["elsewhere"]["counts"] == {"all_reduce": 2, "broadcast": 2}
+    assert receiver["elsewhere"]["wrong"] == [] and receiver["elsewhere"]["moved"] == []
     # the fallback: the flag round, the fallback plan's broadcast (size, bytes), then the ring
     for side in (source, receiver):
         assert side["fallback"]["errors"] == [] and side["fallback"]["counts"]["broadcast"] == 2

@@ -22,6 +22,7 @@ from elastic.replication.comm import Comm
 from elastic.replication.transport.broadcast import BroadcastTransport, byte_view, plan_buckets
 from elastic.replication.transport.protocol import Transport
 from elastic.replication.transport.shm import SegmentRef, SharedMemoryTransport, ShmPlan
+from elastic.replication.transport.tcp import TcpTransport
 from elastic.state.tensors import TensorMeta
 
 needs_memfd = pytest.mark.skipif(
@@ -68,7 +69,7 @@ def test_options_are_checked() -> None:
     assert (chosen.slots, chosen.min_bytes, chosen.fallback) == (
         shm.SLOTS,
         shm.MIN_BYTES,
-        BroadcastTransport(),
+        TcpTransport(),  # between hosts: connections of its own, then the broadcasts
     )
     assert isinstance(chosen, Transport)
 
@@ -133,7 +134,9 @@ def test_open_refuses_a_path_that_is_not_the_segment(monkeypatch: pytest.MonkeyP
 
 @needs_memfd
 def test_plan_names_a_kept_segment_or_only_the_fallback() -> None:
-    chosen = SharedMemoryTransport(bucket_bytes=64 * 1024, slots=2, min_bytes=4096)
+    chosen = SharedMemoryTransport(
+        bucket_bytes=64 * 1024, slots=2, min_bytes=4096, fallback=BroadcastTransport()
+    )
     small = [torch.zeros(1000), torch.zeros(20)]  # 4,080 bytes
     plan = chosen.plan(small, _comm())
     assert plan == ShmPlan(None, [False, False])

@@ -17,10 +17,14 @@ host or in another pid namespace) never makes a receiver read unrelated memory i
 all-reduce (MIN of a flag) says whether every receiver could; if one could not, the source plans its
 fallback (a `SharedMemoryTransport`), broadcasts that plan, and every rank runs the fallback for this
 transfer (a source that finds Yama forbids reading a sibling plans the fallback alone, without that
-round). Otherwise each receiver reads every tensor into its target, in place (a target whose bytes are
-not its values in order, or of another dtype, goes through a temporary, one at a time), and a last
-all-reduce tells the source that no receiver reads its memory any more: `send` returns only then, so the
-caller's tensors stay as they are while they are read. A read that fails goes to `on_error` (every rank
+round). The plan also names the source's kernel and pid namespace (`host_key`): a receiver under another
+kernel or in another pid namespace can open no ``/proc/<pid>`` of the source, so the flag it gives says
+so, and when one does, every rank skips the shared-memory ring (whose source would pack its first slots
+for nothing) and runs the ring's own fallback (the `TcpTransport` between hosts) instead. Otherwise
+each receiver reads every tensor into its target, in place (a target whose bytes are not its values in
+order, or of another dtype, goes through a temporary, one at a time), and a last all-reduce tells the
+source that no receiver reads its memory any more: `send` returns only then, so the caller's tensors stay
+as they are while they are read. A read that fails goes to `on_error` (every rank
 still joins the last all-reduce); a communication failure raises `SyncError`.
 """
 
@@ -42,7 +46,7 @@ import torch
 from elastic.replication.comm import Comm, fault_point
 from elastic.replication.transport.broadcast import _quiet
 from elastic.replication.transport.protocol import OnError, Transport, at_least
-from elastic.replication.transport.shm import MIN_BYTES, SharedMemoryTransport, _agree, _signal
+from elastic.replication.transport.shm import MIN_BYTES, SharedMemoryTransport, _signal
 from elastic.state.tensors import TensorMeta
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "CrossMemoryTransport",
     "SourceRef",
     "can_read",
+    "host_key",
     "plain_cpu",
     "ptrace_refusal",
     "read_refusal",
@@ -86,11 +91,13 @@ class SourceRef(NamedTuple):
 class CmaPlan(NamedTuple):
     """A `CrossMemoryTransport` plan. `source` is `None` when this transfer takes the fallback alone (then
     `fallback` is the fallback's plan); else `regions` holds each tensor's address and length in bytes in
-    the source's memory, and the fallback is planned only if some receiver cannot read."""
+    the source's memory, `host` the source's `host_key`, and the fallback is planned only if some receiver
+    cannot read."""
 
     source: SourceRef | None
     regions: tuple[tuple[int, int], ...] = ()
     fallback: Any = None
+    host: str = ""
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -159,6 +166,27 @@ class _Token:
 _token = _Token()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_token.renew)
+
+
+_host: list[str] = []
+
+
+def host_key() -> str:
+    """This process's kernel (its boot id) and pid namespace (its inode), as text ("" where unknown): two
+    processes with different keys cannot reach each other through ``/proc/<pid>``."""
+    if not _host:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            key = f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+        except OSError:
+            key = ""
+        _host.append(key)
+    return _host[0]
+
+
+if hasattr(os, "register_at_fork"):  # a forked child may enter another pid namespace (unshare --fork)
+    os.register_at_fork(after_in_child=_host.clear)
 
 
 def source_ref() -> SourceRef:
@@ -318,11 +346,18 @@ class CrossMemoryTransport:
             log.debug("cross-memory transport: %s instead, %s", type(self.fallback).__name__, why)
             return CmaPlan(None, (), self.fallback.plan(tensors, comm))
         assert regions is not None
-        return CmaPlan(source_ref(), tuple(regions))
+        return CmaPlan(source_ref(), tuple(regions), host=host_key())
 
     def device_for(self, meta: TensorMeta, comm: Comm) -> torch.device:
         """Where a receiver allocates a tensor it lacks (the fallback's choice)."""
         return self.fallback.device_for(meta, comm)
+
+    def _fallback_for(self, level: int) -> Transport:
+        """What a transfer takes when not every receiver can read: the shared-memory ring's own fallback
+        when some receiver runs elsewhere (the ring cannot reach it either), else `fallback`."""
+        if level == ELSEWHERE and isinstance(self.fallback, SharedMemoryTransport):
+            return self.fallback.fallback
+        return self.fallback
 
     def send(
         self,
@@ -339,11 +374,17 @@ class CrossMemoryTransport:
             alone = plan.fallback if isinstance(plan, CmaPlan) else plan
             self.fallback.send(comm, src, tensors, metas, alone, on_error)
             return
-        if not _agree_phase(comm, True):
-            log.debug("cross-memory transport: a receiver cannot read this process's memory; falling back")
+        level = _agreement(comm, READS)
+        if level != READS:
+            chosen = self._fallback_for(level)
+            log.debug(
+                "cross-memory transport: a receiver cannot read this process's memory%s; %s instead",
+                " (it runs elsewhere)" if level == ELSEWHERE else "",
+                type(chosen).__name__,
+            )
             failed: BaseException | None = None
             try:
-                fallback = self.fallback.plan(tensors, comm)
+                fallback = chosen.plan(tensors, comm)
                 data = pickle.dumps(fallback)
             except Exception as exc:  # the receivers still take the (empty) plan's collectives
                 failed, fallback, data = exc, None, pickle.dumps(None)
@@ -351,7 +392,7 @@ class CrossMemoryTransport:
             if failed is not None:
                 on_error(failed)
                 return
-            self.fallback.send(comm, src, tensors, metas, fallback, on_error)
+            chosen.send(comm, src, tensors, metas, fallback, on_error)
             return
         with _quiet():
             try:
@@ -376,14 +417,18 @@ class CrossMemoryTransport:
             alone = plan.fallback if isinstance(plan, CmaPlan) else plan
             self.fallback.receive(comm, src, targets, metas, alone, on_error)
             return
-        why = _mismatch(targets, metas, plan) or can_read(plan.source)
+        mine = host_key()
+        elsewhere = bool(plan.host and mine and plan.host != mine)
+        why = "the source runs under another kernel or pid namespace" if elsewhere else None
+        why = why or _mismatch(targets, metas, plan) or can_read(plan.source)
         if why is not None:
             log.debug("cross-memory transport: cannot read the source's memory: %s", why)
-        if not _agree_phase(comm, why is None):
+        level = _agreement(comm, ELSEWHERE if elsewhere else SAME_HOST if why else READS)
+        if level != READS:
             fallback = pickle.loads(comm.broadcast_bytes(None, src, FALLBACK_PHASE))
             if fallback is None:  # the source could not plan its fallback: it reports why
                 return
-            self.fallback.receive(comm, src, targets, metas, fallback, on_error)
+            self._fallback_for(level).receive(comm, src, targets, metas, fallback, on_error)
             return
         with _quiet():
             try:
@@ -394,8 +439,16 @@ class CrossMemoryTransport:
             _done(comm)
 
 
-def _agree_phase(comm: Comm, ok: bool) -> bool:
-    return _agree(comm, ok, AGREE_PHASE)
+#: A rank's answer in the agreement (the smallest answer decides): it reads the source's memory (the
+#: source's own answer), it cannot but shares the source's kernel and pid namespace, or it runs elsewhere.
+READS, SAME_HOST, ELSEWHERE = 2, 1, 0
+
+
+def _agreement(comm: Comm, answer: int) -> int:
+    """The smallest `answer` of every rank (one all-reduce): the same on every rank."""
+    work, flag, phase = _signal(comm, AGREE_PHASE, answer)
+    comm.wait(work, phase)
+    return int(flag.item())
 
 
 def _done(comm: Comm) -> None:

@@ -2,9 +2,12 @@
 
 The default is a `CrossMemoryTransport`: every receiver reads the source's tensors straight from its
 memory when each may (on the source's host, permitted to); else its `SharedMemoryTransport` fallback,
-through a shared-memory ring when every receiver runs on the source's host; else that one's
-`BroadcastTransport` fallback (another host, a CUDA communication device, fewer than a megabyte to move).
-Nothing is created at import: a shared segment comes with the first transfer that uses it.
+through a shared-memory ring when every receiver runs on the source's host; else that one's `TcpTransport`
+fallback, over connections of its own from the source's tensors into the receivers' (receivers on other
+hosts); else that one's `BroadcastTransport` fallback (a receiver that cannot connect, a CUDA
+communication device, fewer than a megabyte to move, ``ELASTIC_TCP_TRANSPORT=0``). Nothing is created at
+import: a shared segment comes with the first transfer that uses it, a listening socket with each plan
+that takes the connections.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from elastic.replication.transport.broadcast import release_buffers as release_b
 from elastic.replication.transport.cma import CrossMemoryTransport
 from elastic.replication.transport.protocol import Transport
 from elastic.replication.transport.shm import release_shared, shared_cached_bytes
+from elastic.replication.transport.tcp import release_listeners
 
 __all__ = ["cached_bytes", "default_transport", "release_buffers", "set_default_transport"]
 
@@ -43,6 +47,8 @@ def cached_bytes() -> int:
 
 
 def release_buffers() -> None:
-    """Drop everything the transports keep between calls (the next transfer makes it again)."""
+    """Drop everything the transports keep between calls (the next transfer makes it again): bucket
+    buffers, shared segments and mappings, listening sockets of plans not sent."""
     release_buckets()
     release_shared()
+    release_listeners()

@@ -3,9 +3,10 @@
 `sync` talks to a transport object: the source asks it for a `plan` of its tensors (a picklable value that
 travels to the receivers with the tensor metadata), then the source calls `send` and every receiver
 `receive`, each with the same metadata and plan; a receiver allocates the tensors it lacks on
-`device_for(meta, comm)`. `BroadcastTransport` (the group's broadcasts) and `SharedMemoryTransport` (a
-memfd ring on one host) implement it; another transport (point-to-point sends to a joining rank, a
-CUDA-IPC or RDMA path) implements the same four methods.
+`device_for(meta, comm)`. `BroadcastTransport` (the group's broadcasts), `CrossMemoryTransport` (reads
+from the source's memory on one host), `SharedMemoryTransport` (a memfd ring on one host) and
+`TcpTransport` (connections of its own between hosts) implement it; another transport (point-to-point
+sends to a joining rank, a CUDA-IPC or RDMA path) implements the same four methods.
 """
 
 from __future__ import annotations

@@ -16,15 +16,16 @@ between syncs (fresh memory would page-fault on every sync); `release_shared` dr
 
 One all-reduce (MIN of a flag) at the start tells every rank whether every receiver mapped the segment;
 if one could not (another host, another pid namespace, permissions), every rank runs the fallback
-transport (a `BroadcastTransport`) for this sync instead. Then the tensors' bytes are cut into buckets
-(`plan_buckets`, every tensor included) that go round a ring of `slots` slots: bucket ``k`` lives in slot
-``k % slots``. For each bucket every rank joins one all-reduce ``c_k``: the source after packing bucket
-``k``, a receiver after unpacking bucket ``k - 1``; a receiver unpacks bucket ``k`` once ``c_k`` completed,
-and the source packs bucket ``k >= slots`` only after ``c_(k - slots + 1)``, when every receiver has left
-the bucket that occupied the slot before. A last all-reduce after the last unpack tells the source that no
-receiver reads the segment any more, so the next sync may write it. Packing and unpacking use the same
-grouped copies as `BroadcastTransport`; local failures go to `on_error` and every rank still joins every
-all-reduce, so no rank is left waiting; a communication failure raises `SyncError`.
+transport (a `TcpTransport`, whose own fallback is a `BroadcastTransport`) for this sync instead. Then
+the tensors' bytes are cut into buckets (`plan_buckets`, every tensor included) that go round a ring of
+`slots` slots: bucket ``k`` lives in slot ``k % slots``. For each bucket every rank joins one all-reduce
+``c_k``: the source after packing bucket ``k``, a receiver after unpacking bucket ``k - 1``; a receiver
+unpacks bucket ``k`` once ``c_k`` completed, and the source packs bucket ``k >= slots`` only after
+``c_(k - slots + 1)``, when every receiver has left the bucket that occupied the slot before. A last
+all-reduce after the last unpack tells the source that no receiver reads the segment any more, so the next
+sync may write it. Packing and unpacking use the same grouped copies as `BroadcastTransport`; local
+failures go to `on_error` and every rank still joins every all-reduce, so no rank is left waiting; a
+communication failure raises `SyncError`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import torch.distributed as dist
 from elastic.replication.comm import Comm, fault_point
 from elastic.replication.transport.broadcast import (
     RAMP_MIN,
-    BroadcastTransport,
     Bucket,
     Packer,
     Unpacker,
@@ -58,6 +58,7 @@ from elastic.replication.transport.broadcast import (
     kept_plan,
 )
 from elastic.replication.transport.protocol import Transport, at_least
+from elastic.replication.transport.tcp import TcpTransport
 from elastic.state.tensors import TensorMeta
 
 __all__ = [
@@ -398,7 +399,7 @@ DONE_PHASE = "buckets done"
 @attrs.frozen
 class SharedMemoryTransport:
     """Buckets through a shared-memory ring when every receiver can map the source's segment, else
-    `fallback` (by default a `BroadcastTransport`).
+    `fallback` (by default a `TcpTransport`: connections of its own between hosts, else broadcasts).
 
     `bucket_bytes` bounds one bucket (the first and last ones ramp from ``bucket_bytes / 8``, at least
     `ramp_min`), `slots` buckets fit in the segment at once (the source's shared memory is ``slots *
@@ -411,7 +412,7 @@ class SharedMemoryTransport:
     slots: int = attrs.field(default=SLOTS, validator=at_least(2))
     min_bytes: int = attrs.field(default=MIN_BYTES, validator=at_least(0))
     ramp_min: int = attrs.field(default=RAMP_MIN, validator=at_least(1))
-    fallback: Transport = attrs.field(factory=BroadcastTransport, validator=_is_transport)
+    fallback: Transport = attrs.field(factory=TcpTransport, validator=_is_transport)
 
     def _why_not(self, total: int, comm: Comm) -> str | None:
         if comm.device.type != "cpu":
