@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from elastic._util.errors import ElasticError
 from elastic._util.procs import running
+from elastic.recovery.partition import largest_reachable
 
 __all__ = [
     "Joiner",
@@ -104,20 +105,22 @@ class Membership:
 @attrs.frozen
 class Log:
     """A round's log: who joined (in order of first join), who announced or left, the decision (the
-    first proposal; None: undecided), and whether the run finished."""
+    first proposal; None: undecided), whether the run finished, and the pairs reported unable to connect."""
 
     joined: tuple[str, ...] = ()
     announced: frozenset[str] = frozenset()
     left: frozenset[str] = frozenset()
     decision: tuple[str, ...] | None = None
     finished: bool = False
+    unreachable: frozenset[frozenset[str]] = frozenset()
 
 
 def parse_log(raw: bytes) -> Log:
-    """The `Log` of a round from its ``+p,`` ``~p,`` ``-p,`` ``=a|b,`` ``!,`` tokens."""
+    """The `Log` of a round from its ``+p,`` ``~p,`` ``-p,`` ``=a|b,`` ``!,`` ``xa|b,`` tokens."""
     joined: dict[str, None] = {}
     announced: set[str] = set()
     left: set[str] = set()
+    unreachable: set[frozenset[str]] = set()
     decision: tuple[str, ...] | None = None
     finished = False
     for token in raw.decode().split(","):
@@ -132,12 +135,15 @@ def parse_log(raw: bytes) -> Log:
             decision = tuple(name.split("|"))
         elif kind == "!":
             finished = True
+        elif kind == "x" and len(pair := frozenset(name.split("|"))) == 2:
+            unreachable.add(pair)  # xa|b: a cannot connect to b
     return Log(
         joined=tuple(p for p in joined if p not in left),
         announced=frozenset(announced),
         left=frozenset(left),
         decision=decision,
         finished=finished,
+        unreachable=frozenset(unreachable),
     )
 
 
@@ -167,8 +173,13 @@ def decide(
     workers a generation uses (a sharded state's mesh); the others stay out, as spares of the next round.
     """
     candidates = [p for p in events.joined if ready(p)]
+    # pairs that cannot connect: only the largest set with none goes on, and the others (joined, or live
+    # previous members that wait outside) are not waited for (docs/rendezvous.md, "Pairs that cannot connect")
+    expected = candidates + [p for p in prev if p not in events.left and p not in candidates and alive(p)]
+    cut = set(expected) - set(largest_reachable(expected, events.unreachable, prefer=prev))
+    candidates = [p for p in candidates if p not in cut]
     ordered = [p for p in prev if p in candidates] + [p for p in candidates if p not in prev]
-    missing = [p for p in prev if p not in events.left and p not in candidates and alive(p)]
+    missing = [p for p in prev if p not in events.left and p not in candidates and p not in cut and alive(p)]
     if missing and sum(p in prev for p in ordered) < max_workers:
         return None
     unsure = [p for p in events.joined if not ready(p) and alive(p)]
@@ -585,6 +596,18 @@ class Rendezvous:
         """A planned departure: the others end the generation at their next check and go on without it."""
         self._left = True
         self._write(f"-{self.participant},", "announce its departure")
+
+    def unreachable(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Report pairs that cannot connect, ``(a, b)``: a could not connect to b. The next round keeps only
+        the largest set of its candidates with no such pair (`elastic.recovery.partition`); the others are
+        not members of it (nor waited for). One store write; fails soft.
+
+        Args:
+            pairs: ``(a, b)`` participant ids, this participant's findings.
+        """
+        tokens = "".join(f"x{a}|{b}," for a, b in pairs if a != b)
+        if tokens:
+            self._write(tokens, "report the participants it cannot connect to")
 
     def finish(self) -> None:
         """The function returned in the current generation: the run is finished, every later join (and any
