@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from elastic._util.errors import ElasticError
 from elastic._util.procs import running
+from elastic.recovery.partition import largest_reachable
 
 __all__ = [
     "Joiner",
@@ -182,7 +183,8 @@ class Membership:
 @attrs.frozen
 class Log:
     """A round's events: who joined (in order of first join), who announced, left or was judged dead by
-    its observer (`suspected`), the decision (None: undecided) and whether the run finished."""
+    its observer (`suspected`), the decision (None: undecided), whether the run finished, and the pairs
+    reported unable to connect."""
 
     joined: tuple[str, ...] = ()
     announced: frozenset[str] = frozenset()
@@ -190,15 +192,17 @@ class Log:
     decision: tuple[str, ...] | None = None
     finished: bool = False
     suspected: frozenset[str] = frozenset()
+    unreachable: frozenset[frozenset[str]] = frozenset()
 
 
 def parse_events(tokens: Iterable[str]) -> Log:
-    """The `Log` of a round's event tokens (``+p`` ``~p`` ``-p`` ``?p``; ``=a|b`` a decision and ``!`` the
-    end of the run, as `read_round` adds them)."""
+    """The `Log` of a round's event tokens (``+p`` ``~p`` ``-p`` ``?p``, ``xa|b``: a cannot connect to b;
+    ``=a|b`` a decision and ``!`` the end of the run, as `read_round` adds them)."""
     joined: dict[str, None] = {}
     announced: set[str] = set()
     left: set[str] = set()
     suspected: set[str] = set()
+    unreachable: set[frozenset[str]] = set()
     decision: tuple[str, ...] | None = None
     finished = False
     for token in tokens:
@@ -211,10 +215,14 @@ def parse_events(tokens: Iterable[str]) -> Log:
             left.add(name)
         elif kind == "?":
             suspected.add(name)
+        elif kind == "x" and len(pair := frozenset(name.split("|"))) == 2:
+            unreachable.add(pair)  # xa|b: a cannot connect to b
         elif kind == "=" and decision is None:
             decision = tuple(name.split("|"))
         elif kind == "!":
             finished = True
+        elif kind == "x" and len(pair := frozenset(name.split("|"))) == 2:
+            unreachable.add(pair)  # xa|b: a cannot connect to b
     return Log(
         joined=tuple(p for p in joined if p not in left),
         announced=frozenset(announced),
@@ -222,6 +230,7 @@ def parse_events(tokens: Iterable[str]) -> Log:
         decision=decision,
         finished=finished,
         suspected=frozenset(suspected),
+        unreachable=frozenset(unreachable),
     )
 
 
@@ -257,9 +266,15 @@ def decide(
     """
     # sets for the membership tests: linear in the participants, not quadratic (2,048 of them)
     candidates = [p for p in events.joined if ready(p)]
+    # pairs that cannot connect: only the largest set with none goes on, and the others (joined, or live
+    # previous members that wait outside) are not waited for (docs/rendezvous.md, "Pairs that cannot connect")
+    gone, joined = set(events.left), set(candidates)
+    expected = candidates + [p for p in prev if p not in gone and p not in joined and alive(p)]
+    cut = set(expected) - set(largest_reachable(expected, events.unreachable, prefer=prev))
+    candidates = [p for p in candidates if p not in cut]
     chosen, before = set(candidates), set(prev)
     ordered = [p for p in prev if p in chosen] + [p for p in candidates if p not in before]
-    missing = [p for p in prev if p not in events.left and p not in chosen and alive(p)]
+    missing = [p for p in prev if p not in gone and p not in chosen and p not in cut and alive(p)]
     if missing and sum(p in before for p in ordered) < max_workers:
         return None
     unsure = [p for p in events.joined if not ready(p) and alive(p)]
@@ -978,6 +993,18 @@ class Rendezvous:
         self._left = True
         self._write(f"-{self.participant}", "announce its departure")
 
+    def unreachable(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """Report pairs that cannot connect, ``(a, b)``: a could not connect to b. The next round keeps only
+        the largest set of its candidates with no such pair (`elastic.recovery.partition`); the others are
+        not members of it (nor waited for). One store write; fails soft.
+
+        Args:
+            pairs: ``(a, b)`` participant ids, this participant's findings.
+        """
+        tokens = "".join(f"x{a}|{b}," for a, b in pairs if a != b)
+        if tokens:
+            self._write(tokens, "report the participants it cannot connect to")
+
     def finish(self) -> None:
         """The function returned in the current generation: the run is finished, every later join (and any
         join waiting in the next round) returns None. Fails soft."""
@@ -1090,7 +1117,10 @@ class Rendezvous:
         if self._generation < 0:
             return
         try:
-            add_event(self._main(), self._generation + 1, event.rstrip(","))
+            ops = self._main()
+            for token in event.split(","):
+                if token:
+                    add_event(ops, self._generation + 1, token)
         except _STORE_ERRORS as exc:
             log.warning(
                 "rendezvous: %s could not %s to the store at %s (%s); the others will see its heartbeat stop",

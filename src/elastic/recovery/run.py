@@ -4,9 +4,13 @@ Every worker process is one participant of a rendezvous (`._rendezvous`) over a 
 the workers. `run` loops over *generations*; each one is
 
 1. a membership from the rendezvous (generation number, rank, size, a store prefix never used before),
-2. a fresh default process group on that prefix (gloo; NCCL when the state holds CUDA tensors),
-3. `elastic.load(state, ckpt)` when `ckpt` is given, else `elastic.sync(state)` (the most tenured wins),
-4. ``fn(state, world)``.
+2. the members' link check (`elastic.recovery.links`): a pair that cannot connect means no group is
+   attempted; the next round keeps the largest set with no such pair, and a member left out waits outside
+   until its links heal (`_Loop.rejoin`),
+3. a fresh default process group on that prefix (gloo, its formation bounded; NCCL when the state holds
+   CUDA tensors),
+4. `elastic.load(state, ckpt)` when `ckpt` is given, else `elastic.sync(state)` (the most tenured wins),
+5. ``fn(state, world)``.
 
 A generation ends in one of four ways:
 
@@ -41,6 +45,7 @@ fail at once instead of after their timeout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -67,7 +72,9 @@ from elastic._util.words import ranks_str
 from elastic.checkpoint.saveload import load
 from elastic.recovery.builder import Built, MeshPlan, warm_up
 from elastic.recovery.fork import install as release_connections_in_forked_children
-from elastic.recovery.rendezvous import RECONNECT, Rendezvous
+from elastic.recovery.links import Cut, Links, probe_seconds
+from elastic.recovery.partition import largest_reachable
+from elastic.recovery.rendezvous import FINISHED, RECONNECT, Rendezvous
 from elastic.recovery.store import connect, connect_first, format_address, parse_addresses
 from elastic.replication.sync import sync, tenure
 from elastic.state.config import config_of, is_elastic_state
@@ -294,8 +301,26 @@ _GROUP_EXISTS = (
 )
 
 
-def _new_group(store: Any, membership: Any, backend: str, timeout: timedelta) -> Any:
-    """A fresh default process group for `membership`, on its own prefix of `store`."""
+def _init_timeout(timeout: timedelta) -> timedelta:
+    """The timeout gloo's group formation gets: gloo retries a connect that times out, for 5 times the
+    timeout it is given in all (measured here towards an unreachable peer: 15 s with 3 s, 2.5 s with
+    0.5 s), so it gets a fifth of `timeout`, at least 1 s (it also bounds the wait for the peers'
+    addresses in the store, which the members' link check has aligned), never more than `timeout`."""
+    return min(timeout, max(timedelta(seconds=1), timeout / 5))
+
+
+def _new_group(
+    store: Any,
+    membership: Any,
+    backend: str,
+    timeout: timedelta,
+    hold: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Any:
+    """A fresh default process group for `membership`, on its own prefix of `store`.
+
+    Gloo's formation is bounded by about `timeout` (`_init_timeout`); its collectives then get `timeout`.
+    `hold()` is entered around the formation (the rendezvous's: this worker heartbeats meanwhile).
+    """
     from torch.distributed.distributed_c10d import _world
 
     if dist.is_initialized():
@@ -306,20 +331,23 @@ def _new_group(store: Any, membership: Any, backend: str, timeout: timedelta) ->
         _world.group_count = 0
     hook = sys.excepthook
     options: dict[str, Any] = {}
-    group_timeout = timeout
+    group_timeout = _init_timeout(timeout) if backend == "gloo" else timeout
     if backend == "nccl":
         options["device_id"] = _nccl_setup()
         # NCCL's watchdog must not fire before our own failure detection has ended the generation.
         group_timeout = timeout * 2
     try:
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(membership.prefix, store),
-            rank=membership.rank,
-            world_size=membership.size,
-            timeout=group_timeout,
-            **options,
-        )
+        with hold():
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(membership.prefix, store),
+                rank=membership.rank,
+                world_size=membership.size,
+                timeout=group_timeout,
+                **options,
+            )
+        if group_timeout != timeout and backend == "gloo":
+            dist.group.WORLD.set_timeout(timeout)  # type: ignore[union-attr]
     except BaseException:
         if not _world.pg_map:
             _world.group_count = 0
@@ -496,7 +524,14 @@ def _mismatch_message(places: dict[int, str], timeout: timedelta) -> str:
     )
 
 
-def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeout: timedelta) -> str:
+def _judge(
+    exc: BaseException,
+    rdzv: Any,
+    gen: _Generation,
+    probe: float,
+    timeout: timedelta,
+    links: Callable[[set[int]], str | None] | None = None,
+) -> str:
     """What ended the generation on this rank, agreed by every rank that asks (a `REGROUP`, `MISMATCH` or
     `OWN` verdict).
 
@@ -506,6 +541,11 @@ def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeou
     known at once) or its heartbeat stays stale past its expiry with no record. A gone or departed member
     is a peer's failure; with every member present and accounted for, different places are a mismatch
     (the script's bug), one place for all is nobody's failure. The first verdict written wins.
+
+    Every member present and every heartbeat fresh is also what a link gone silent between two members
+    looks like (their collective waits for `timeout`, and so does everyone's): before it says `MISMATCH`
+    or `OWN`, `links(ranks)` compares every member's connections with those of `ranks` (the members that
+    failed too, `elastic.recovery.links`); a pair that cannot connect is a peer's failure, `REGROUP`.
     """
     members = gen.membership.members
     me = gen.membership.rank
@@ -543,6 +583,9 @@ def _judge(exc: BaseException, rdzv: Any, gen: _Generation, probe: float, timeou
             if stale:
                 time.sleep(_POLL)
                 continue  # wait for the settle: a stale member without a record is gone, not elsewhere
+            cut = links(set(places)) if links is not None else None
+            if cut:
+                return gen.verdict(REGROUP + cut) or REGROUP + cut
             seen = dict(places)
             seen.update({r: busy.get(r, RUNNING) for r in unaccounted + list(busy) if r not in places})
             mine = MISMATCH + _mismatch_message(seen, timeout) if len(set(seen.values())) > 1 else OWN
@@ -860,6 +903,10 @@ def run(
     - SIGTERM (a preemption notice) is a planned departure: the step finishes, the worker leaves at its
       next ``check()`` with the others, and `run` returns None there; the others lose no step. (The
       handler is installed only when `run` is called from the main thread, and restored on return.)
+    - Two workers that cannot connect to each other while both reach the store (an asymmetric partition):
+      the largest set of workers that all reach each other goes on (found by a link check before every
+      group forms, or after a collective timed out with everyone present); a worker left out waits and
+      rejoins when its links heal, or raises `ElasticError` naming the pair after `join_timeout`.
     - Fewer than `min_workers` alive: wait for joiners until `join_timeout` (default 600 s), then
       `ElasticError`. `timeout` (default 60 s) bounds every collective and the store's operations, and is
       how long a worker may make no progress (``check()``, a collective of elastic's) before it counts as
@@ -914,9 +961,10 @@ def run(
         returned in some generation) before this worker could join.
 
     Raises:
-        ElasticError: no generation formed within `join_timeout`; the store was unreachable for
-            `timeout`; the ranks were in different operations (the script's bug); too many generations
-            failed in a row before a step completed.
+        ElasticError: no generation formed within `join_timeout`; this worker could not connect to a
+            peer and was left out of the generations for `join_timeout` (the error names both and their
+            addresses); the store was unreachable for `timeout`; the ranks were in different operations
+            (the script's bug); too many generations failed in a row before a step completed.
         TypeError: `fn` is not callable, `state` is neither an ``@elastic_state`` instance nor a builder,
             ``build(world)`` returned no sharded state, `mesh` or `snapshot_every` was given with a state,
             or `snapshot_every` is not an int.
@@ -989,6 +1037,7 @@ def run(
         connect=reconnect,
         fit=built.plan.fit if built is not None else None,
     )
+    links = _listen(rendezvous.client, run_id, participant, td)
     try:
         with _Departure() as departure:
             loop = _Loop(
@@ -1003,10 +1052,28 @@ def run(
                 check_every=check_every,
                 built=built,
                 store_addresses=tuple(addresses),
+                links=links,
             )
             return loop.run()
     finally:
         rendezvous.close()
+        if links is not None:
+            links.close()
+
+
+def _listen(store: Any, run_id: str, participant: str, timeout: timedelta) -> Links | None:
+    """This participant's listener for the members' link checks, published in the store; None (with a
+    warning) when none can be bound or published: pairs that cannot connect then show only as failed
+    collectives and group formations."""
+    try:
+        return Links(store, run_id, participant, probe_seconds(timeout.total_seconds()))
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.warning(
+            "run: no listener for checking the links between workers (%s); a pair of workers that cannot "
+            "connect will show only as failed collectives",
+            exc,
+        )
+        return None
 
 
 def _import_sharded() -> None:
@@ -1091,6 +1158,12 @@ class _Loop:
     store_addresses: tuple[tuple[str, int], ...] = ()
     stalls: _Stalls = attrs.field(factory=lambda: _Stalls(STALL_LIMIT))
     ended_at: float = attrs.field(factory=time.monotonic)
+    #: this participant's link checks (None: no listener could be bound, the checks are skipped)
+    links: Links | None = None
+    #: pairs found unable to connect when the last generation ended, not yet reported (`rejoin`)
+    cut: Cut | None = None
+    #: the last such pairs with that generation's members, until a generation forms (for error messages)
+    last_cut: tuple[Cut, tuple[str, ...]] | None = None
 
     @property
     def probe(self) -> float:
@@ -1099,7 +1172,16 @@ class _Loop:
     def run(self) -> Any:
         while True:
             self.rendezvous.progress()
-            membership = self.rendezvous.join()
+            if self.cut is not None:
+                self.rejoin()
+            try:
+                membership = self.rendezvous.join()
+            except ElasticError as exc:
+                if self.last_cut is None:
+                    raise
+                cut, members = self.last_cut
+                msg = f"{exc} (the last generation ended because {cut.describe(members)})"
+                raise ElasticError(msg) from exc
             if membership is None:
                 log.info("run: the run is already finished; nothing to do")
                 return None
@@ -1107,16 +1189,115 @@ class _Loop:
             if outcome is not _AGAIN:
                 return outcome
 
+    def rejoin(self) -> None:
+        """After a generation some of whose members could not connect: report the pairs this participant
+        found to the next round (whose decision keeps the largest set with no such pair), and when the same
+        rule leaves this participant out, wait outside until its links heal (`Links.wait`) rather than
+        join at once as a newcomer that the others would regroup for, and fail with, again."""
+        cut, self.cut = self.cut, None
+        me = str(getattr(self.rendezvous, "participant", ""))
+        if cut is None or self.last_cut is None:
+            return
+        members = self.last_cut[1]
+        report = getattr(self.rendezvous, "unreachable", None)
+        if report is not None:
+            report(cut.found_by(me))
+        if self.links is None or me in largest_reachable(members, cut.pairs, prefer=members):
+            return
+        join_timeout = float(getattr(self.rendezvous, "join_timeout", DEFAULT_JOIN_TIMEOUT.total_seconds()))
+        peers = sorted(cut.peers_of(me))
+        log.warning(
+            "run: left out: %s; the others go on without it (the largest set that all reach each other); "
+            "waiting for %s to be reachable again (join_timeout=%g s)",
+            cut.describe(members, [frozenset((me, q)) for q in peers]) or cut.describe(members),
+            ", ".join(peers) or "the others",
+            join_timeout,
+        )
+        began = time.monotonic()
+        self.links.wait(
+            cut, members, rdzv=self.rendezvous, join_timeout=join_timeout, finished=self._finished
+        )
+        log.info(
+            "run: rejoining after %.1f s outside (the links healed or the peers are gone)",
+            time.monotonic() - began,
+        )
+
+    def _finished(self) -> bool:
+        """Has the run finished (a generation's function returned)? One store read; False when unknown."""
+        run_id = getattr(self.rendezvous, "run_id", None)
+        if run_id is None:
+            return False
+        try:
+            client = getattr(self.rendezvous, "client", lambda: self.store)()
+            return bool(dist.PrefixStore(f"elastic/{run_id}/", client).check([FINISHED]))
+        except Exception:
+            return False
+
+    def _note_cut(self, cut: Cut, membership: Any) -> str:
+        self.cut = cut
+        self.last_cut = (cut, tuple(membership.members))
+        return cut.describe(membership.members)
+
+    def check_links(self, gen: _Generation, membership: Any) -> bool:
+        """Before the group forms: do all members reach each other (`Links.find`)? False: regroup."""
+        if self.links is None or membership.size < 2:
+            return True
+        wait = self.links.timeout + float(getattr(self.rendezvous, "grace", 3.0))
+        found = self.links.find(
+            gen.store,
+            "form",
+            membership.members,
+            membership.rank,
+            range(membership.size),
+            rdzv=self.rendezvous,
+            wait=wait,
+        )
+        if found.complete and not found.cut:
+            self.last_cut = None
+            return True
+        self.ended_at = time.monotonic()
+        if found.cut:
+            gen.announce("members cannot connect to each other")
+            why = self._note_cut(found.cut, membership)
+            log.warning(
+                "generation %d: not formed: %s; regrouping without one side", membership.generation, why
+            )
+        else:
+            gen.announce("members did not compare their connections")
+            log.warning(
+                "generation %d: not formed: %s did not compare their connections within %.1f s (gone or "
+                "stalled); regrouping",
+                membership.generation,
+                f"rank(s) {list(found.missing)}" if found.missing else "some members",
+                wait,
+            )
+        return False
+
+    def judge_links(self, gen: _Generation, membership: Any, ranks: set[int]) -> str | None:
+        """`_judge`'s link check, with the members that failed too (`ranks`): the pairs in words, or None."""
+        if self.links is None or membership.size < 2:
+            return None
+        wait = self.links.timeout + float(getattr(self.rendezvous, "grace", 3.0))
+        found = self.links.find(
+            gen.store, "judge", membership.members, membership.rank, ranks, rdzv=self.rendezvous, wait=wait
+        )
+        if not found.cut:
+            return None
+        return "members cannot connect to each other: " + self._note_cut(found.cut, membership)
+
     def generation(self, membership: Any) -> Any:
         """One generation: `_AGAIN` when the next one must form, else `run`'s return value."""
         # the rendezvous' client now: a new one after the store restarted
         client = getattr(self.rendezvous, "client", lambda: self.store)
         store = client()
         gen = _Generation(client, membership)
+        if not self.check_links(gen, membership):
+            return _AGAIN
         # The connections the generation's groups open from here on (gloo: what the watch shuts down).
         sockets = Sockets(keep=list(self.store_addresses)) if self.backend == "gloo" else None
         try:
-            group = _new_group(store, membership, self.backend, self.timeout)
+            hold = getattr(self.rendezvous, "hold", contextlib.nullcontext)
+            group = _new_group(store, membership, self.backend, self.timeout, hold=hold)
         except Exception as exc:
             _strip(exc)
             gen.announce("process group failed to form")
@@ -1127,6 +1308,14 @@ class _Loop:
                 type(exc).__name__,
                 _first_line(exc),
             )
+            del exc
+            if self.links is not None:  # the links broke since they were checked: evidence, if any, now
+                me = membership.members[membership.rank]
+                unreached = self.links.probe(membership.members)
+                if unreached:
+                    found = {(me, q): why for q, why in unreached.items()}
+                    cut = Cut(found, self.links.addresses(membership.members))
+                    log.warning("generation %d: %s", membership.generation, self._note_cut(cut, membership))
             self.ended_at = time.monotonic()
             return _AGAIN
         world = World(
@@ -1226,7 +1415,8 @@ class _Loop:
             _announce(self.rendezvous)
         gen.record(where_of(exc))
         live.end(abort=True)
-        verdict = _judge(exc, self.rendezvous, gen, self.probe, self.timeout)
+        links = functools.partial(self.judge_links, gen, membership)
+        verdict = _judge(exc, self.rendezvous, gen, self.probe, self.timeout, links=links)
         if verdict.startswith(MISMATCH):
             gen.announce("raised ElasticError")
             raise ElasticError(verdict[len(MISMATCH) :]) from exc
