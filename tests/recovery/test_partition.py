@@ -12,7 +12,7 @@ import pytest
 
 import elastic.recovery.partition as partition
 from elastic.recovery.partition import largest_reachable
-from elastic.recovery.rendezvous import Log, Rendezvous, decide, log_key, parse_log, read
+from elastic.recovery.rendezvous import Log, Rendezvous, decide, parse_log, read_round
 
 
 def pair(a: str, b: str) -> frozenset[str]:
@@ -145,7 +145,7 @@ def test_unreachable_reports_to_the_next_round() -> None:
         membership = rdzv.join()
         assert membership is not None and membership.members == ("a",)
         rdzv.unreachable([("a", "b"), ("a", "c"), ("a", "a")])
-        events = parse_log(read(rdzv._store, log_key(membership.generation + 1)))
+        events = read_round(rdzv._store, membership.generation + 1)
         assert events.unreachable == frozenset({pair("a", "b"), pair("a", "c")})
         assert events.joined == ()  # a report is no join
     finally:
