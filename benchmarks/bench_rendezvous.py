@@ -1,24 +1,87 @@
-"""The round protocol alone: seconds from a SIGKILL to the survivors' next generation.
+"""The round protocol alone: its latency after a failure, and its store traffic at scale.
 
-3 worker processes on a served store run elastic's `Rendezvous` (no process groups, no training). The
-benchmark kills one at random, tells the survivors at once (standing in for the collective that fails
-at once under gloo), and times until every survivor holds the next generation; then a replacement
-starts and joins at the survivors' next `pending()` check, timed from its `join()` call. Run:
+Two modes, both on elastic's `Rendezvous` alone (no process groups, no training):
+
+``--kills K`` (the default mode): seconds from a SIGKILL to the survivors' next generation. 3 worker
+processes on a store served in this process run the protocol; the benchmark kills one at random, tells
+the survivors at once (standing in for the collective that fails at once under gloo), and times until
+every survivor holds the next generation; then a replacement starts and joins at the survivors' next
+`pending()` check, timed from its `join()` call. Run:
 
     PYTHONPATH=src python benchmarks/bench_rendezvous.py --kills 10
+
+``--participants 8,64,512 --json FILE``: how the protocol scales with the number of participants. Each N
+runs in a process of its own (so that a phase capped by its deadline leaves nothing behind), with the
+store served by a child process ``python -m elastic.store`` (its server thread then shares no GIL with the
+participants). N threads are the participants, each with its own TCPStore client connection wrapped in a
+counting `torch.distributed.Store` (`CountingStore`: ops, keys read, bytes read); the heartbeat thread of
+each `Rendezvous` clones that wrapper (``self._base.clone()``), so its traffic is counted too. Liveness is
+judged as across hosts: the benchmark replaces ``elastic.recovery.rendezvous.process_space`` by one that
+returns ``""``, so no participant learns a peer's pid (all run in one process here) and only heartbeats
+tell who is gone. Phases, for each N:
+
+- formation: all N call `join()` at once (``min_workers=1, first_workers=N, max_workers=N``: the first
+  round closes as soon as all N are ready, no last call); seconds until every one holds generation 0;
+- steady state: 1 s to settle, then a 3 s window (``--steady``) in which all train and nothing happens:
+  store ops/s and keys read/s over all participants' clients;
+- regroup: participant N//2 (never rank 0) stops beating (its `close()` stops its heartbeat thread); the
+  others run a stand-in training loop: every 5 ms a driver thread calls each one's `progress()` and checks
+  its `pending()`, and the participant calls `join()` when it turns True. Like `elastic.run`'s watch,
+  8 survivors spread over the ranks (``--watchers``; 0: `pending()` alone) also ask, every 0.1 s,
+  `expired(max(2*expiry, 1 s))` (no store read) and, when a member is gone, `announce()` and join (the
+  collective that would fail); the others learn it from `pending()`, as gloo's failed collectives would
+  tell them (expired() is O(N): on every survivor it alone would take a core here at N=512). The
+  current protocol needs the watch: its `pending()` does not turn True when a member just stops beating.
+  Seconds from the `close()` until every survivor holds one generation of exactly the N-1 survivors, and
+  the ops and bytes read over that window, per survivor (the mean and the max).
+
+Rendezvous parameters: ``timeout=10 s`` (heartbeat period 0.1 s, expiry 0.6 s, grace 3 s, last call 1 s),
+``join_timeout=600 s``; each phase is capped by ``--deadline`` seconds (default 300): a capped phase is
+recorded with what it reached (the key ``incomplete``) and the later phases are skipped. The JSON is
+``{"<N>": {"formation_s", "regroup_s", "ops_per_participant", "bytes_per_participant", "ops_max",
+"bytes_max", "steady_ops_per_s", "steady_keys_per_s"}}``; the table printed with it also gives the
+ratios against the protocol's targets (per-participant ops and bytes of a regroup within 2x from the
+smallest N to the largest, steady keys read/s <= 20*N, regroup <= 1 s at 512). Run:
+
+    PYTHONPATH=src python benchmarks/bench_rendezvous.py --participants 8,64,512 --json rdzv.json
+
+Connections are made before the phases (the heartbeat's `clone()` hands out a client connected in
+advance), 32 at a time, with ``RES_OPTIONS=timeout:1 attempts:1``: torch's TCPStore client looks up the
+host name of every address it connects to, and where reverse DNS is slow (here, for
+``::ffff:127.0.0.1``) a lookup stalled a connect() 5 s until one failed. The table's notes give the
+CPU the benchmark process and the store process used in the steady and regroup windows (of this
+machine's cores), and ``false_expired``: survivors that, at the end of the steady window, saw a live
+peer's heartbeat stand still for the watch's threshold (the benchmark starved of CPU). The participants'
+process runs with ``sys.setswitchinterval(0.05)`` (``--switch``): a thread waiting for the GIL wakes every
+interval, and ~1000 of them at CPython's default 5 ms spent more time in the kernel than in Python here.
+
+Counted per call: ``get`` 1 key, ``multi_get``/``check``/``wait`` one per key, ``compare_set`` 1, ``add``
+1 (it returns the value); bytes read: the returned values' lengths (``add``: 8, the int64 on the wire;
+``check``: 1). All participants share this machine's cores and one GIL: at large N the numbers measure
+the protocol's demand only as far as the benchmark process keeps up with it (see the table's notes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -49,12 +112,7 @@ def _worker(port: int, name: str, failed: Any, out: Any) -> None:
         time.sleep(0.001)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def kills_main(args: argparse.Namespace) -> None:
 
     from elastic.recovery.store import serve
 
@@ -115,6 +173,589 @@ def main() -> None:
         f"replacement's join() -> generation with it: median {statistics.median(admit):.3f} s, "
         f"max {max(admit):.3f} s"
     )
+
+
+# ------------------------------------------------------------------------------------- the scale mode
+
+JOIN_TIMEOUT = timedelta(seconds=600)
+LOOP = 0.005  # the stand-in training loop: progress() and pending() every 5 ms
+WATCH = 0.1  # elastic.run's _Watch.PERIOD
+SETTLE = 1.0
+STACK = 2 << 20  # ~1000 threads: 2 MiB stacks instead of the default 8 MiB
+# A thread waiting for the GIL wakes every switch interval (CPython's default 5 ms): ~1000 threads at 5 ms
+# spent 9.5 min of system time (futex, under gVisor) in a 5.5 min run at N=512 (43 s at 50 ms)
+SWITCH = 0.05
+
+
+class Counts:
+    """One store client's traffic: operations, keys read, bytes read (updated by one thread only)."""
+
+    __slots__ = ("bytes", "keys", "ops")
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.keys = 0
+        self.bytes = 0
+
+
+class CountingStore(dist.Store):
+    """A store that counts the traffic of the store it wraps; `clone` wraps the base's clone (or one of
+    `spares`, clients connected in advance) and registers it with `on_clone` (a participant's heartbeat
+    thread clones its store).
+
+    Every method the rendezvous may call is here. torch's C++ trampoline for Python stores, which a
+    `PrefixStore` around this one goes through, calls ``deleteKey`` and ``getNumKeys`` (aliases below)
+    and has no queue or list_keys support (those overrides serve direct calls only); a PrefixStore's
+    set_timeout sets its own timeout, not this one's. Ops: the store operations issued (a clone is none).
+    """
+
+    def __init__(
+        self,
+        base: dist.Store,
+        counts: Counts,
+        on_clone: Callable[[CountingStore], None],
+        spares: list[dist.Store] | None = None,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.counts = counts
+        self._on_clone = on_clone
+        self._spares = spares if spares is not None else []
+
+    def _read(self, keys: int, nbytes: int) -> None:
+        c = self.counts
+        c.ops += 1
+        c.keys += keys
+        c.bytes += nbytes
+
+    def set(self, key: str, value: Any) -> None:
+        self.counts.ops += 1
+        self.base.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self.base.get(key)
+        self._read(1, len(value))
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        out = self.base.add(key, value)
+        self._read(1, 8)
+        return out
+
+    def append(self, key: str, value: Any) -> None:
+        self.counts.ops += 1
+        self.base.append(key, value)
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        out = self.base.compare_set(key, expected_value, desired_value)
+        self._read(1, len(out))
+        return out
+
+    def check(self, keys: list[str]) -> bool:
+        out = self.base.check(keys)
+        self._read(len(keys), 1)
+        return out
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        out = self.base.multi_get(keys)
+        self._read(len(keys), sum(len(v) for v in out))
+        return out
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.counts.ops += 1
+        self.base.multi_set(keys, values)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.base.wait(keys)
+        else:
+            self.base.wait(keys, timeout)
+        self._read(len(keys), 0)
+
+    def delete_key(self, key: str) -> bool:
+        self.counts.ops += 1
+        return self.base.delete_key(key)
+
+    deleteKey = delete_key  # the name torch's trampoline calls
+
+    def num_keys(self) -> int:
+        self._read(0, 8)
+        return self.base.num_keys()
+
+    getNumKeys = num_keys  # the name torch's trampoline calls
+
+    def queue_push(self, key: str, value: Any) -> None:
+        self.counts.ops += 1
+        self.base.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        out = self.base.queue_pop(key, block)
+        self._read(1, len(out))
+        return out
+
+    def queue_len(self, key: str) -> int:
+        self._read(1, 8)
+        return self.base.queue_len(key)
+
+    def list_keys(self) -> list[str]:
+        out = self.base.list_keys()
+        self._read(len(out), sum(len(k) for k in out))
+        return out
+
+    def has_extended_api(self) -> bool:
+        return self.base.has_extended_api()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self.base.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:  # type: ignore[override]
+        return self.base.timeout
+
+    def clone(self) -> CountingStore:
+        base = self._spares.pop() if self._spares else self.base.clone()
+        twin = CountingStore(base, Counts(), self._on_clone, self._spares)
+        self._on_clone(twin)
+        return twin
+
+
+def _drain(stream: Any) -> None:
+    for _ in stream:
+        pass
+
+
+def _serve_child() -> tuple[subprocess.Popen[str], int]:
+    """``python -m elastic.store`` on a free port of 127.0.0.1; the process and its port."""
+    import elastic
+
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(elastic.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH", "")) if x)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastic.store", "--host", "127.0.0.1", "--port", "0"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "serving the rendezvous store at" in line:
+            port = int(line.split(" at ", 1)[1].split()[0].rpartition(":")[2])
+            threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
+            return proc, port
+    msg = f"python -m elastic.store exited ({proc.wait()}) without serving"
+    raise RuntimeError(msg)
+
+
+class _Participant:
+    def __init__(self, index: int, n: int, port: int) -> None:
+        from elastic.recovery.rendezvous import Rendezvous
+        from elastic.recovery.store import connect
+
+        self.name = f"{index}.bench"
+        self.stores: list[CountingStore] = []  # keeps every wrapper (the heartbeat's clone too) alive
+        # the heartbeat's clone() gets a client connected now, so that formation times no connect()
+        spare = connect("127.0.0.1", port, timeout=TIMEOUT)
+        base = connect("127.0.0.1", port, timeout=TIMEOUT)
+        store = CountingStore(base, Counts(), self.stores.append, [spare])
+        self.stores.append(store)
+        self.rdzv = Rendezvous(
+            store,
+            f"scale{n}",
+            self.name,
+            min_workers=1,
+            first_workers=n,
+            max_workers=n,
+            join_timeout=JOIN_TIMEOUT,
+            timeout=TIMEOUT,
+            address=f"127.0.0.1:{port}",
+        )
+        self.wake = threading.Event()
+        self.busy = True  # in join(): the driver leaves it alone
+        self.trigger = ""
+        self.quit = False
+        self.membership: Any = None
+        self.error: BaseException | None = None
+
+    def totals(self) -> tuple[int, int, int]:
+        stores = list(self.stores)
+        return (
+            sum(s.counts.ops for s in stores),
+            sum(s.counts.keys for s in stores),
+            sum(s.counts.bytes for s in stores),
+        )
+
+
+class _Phase:
+    """Done when every one of `names` holds one generation of exactly them, newer than `after`."""
+
+    def __init__(self, names: set[str], after: int, parts: list[_Participant]) -> None:
+        self.names = names
+        self.after = after
+        self.parts = [p for p in parts if p.name in names]
+        self.done = threading.Event()
+        self.at = 0.0
+        self.snapshot: dict[str, tuple[int, int, int]] = {}
+        self.triggers: dict[str, int] = {}
+        self.formed: dict[int, int] = {}  # generation -> its size, as the members returned from join()
+
+    def reached(self) -> str:
+        """What the phase reached: the generations formed and who holds the newest."""
+        ms = [
+            p.membership
+            for p in self.parts
+            if p.membership is not None and p.membership.generation > self.after
+        ]
+        if not ms:
+            return f"0/{len(self.parts)} held a generation newer than {self.after}"
+        newest = max(m.generation for m in ms)
+        sizes = [self.formed[g] for g in sorted(self.formed) if g > self.after]
+        held = sum(m.generation == newest for m in ms)
+        behind = len(self.parts) - len(ms)
+        return (
+            f"generations {self.after + 1}..{newest} formed (sizes {min(sizes)}..{max(sizes)}), none of all "
+            f"{len(self.parts)}; the newest held by {held}"
+            + (f", {behind} hold none newer than {self.after}" if behind else "")
+        )
+
+    def check(self) -> None:
+        """Called under the lock after each join: the thread that completes the phase snapshots."""
+        if self.done.is_set():
+            return
+        ms = [p.membership for p in self.parts]
+        if any(m is None or m.generation <= self.after for m in ms):
+            return
+        if len({m.generation for m in ms}) != 1 or set(ms[0].members) != self.names:
+            return
+        self.at = time.monotonic()
+        self.snapshot = {p.name: p.totals() for p in self.parts}
+        self.done.set()
+
+
+def _one(n: int, args: argparse.Namespace) -> None:
+    """One N, in this process: formation, steady state, regroup; the result goes to ``args.result``."""
+    import elastic.recovery.rendezvous as rz
+
+    rz.process_space = lambda: ""  # judged as across hosts: no peer's pid, heartbeats alone
+    threading.stack_size(STACK)
+    sys.setswitchinterval(args.switch)
+    server, port = _serve_child()
+    try:
+        result = _phases(n, args, port, server.pid)
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the heartbeat threads (and joins a deadline left blocked) would report the store's end
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        server.terminate()
+        server.wait(timeout=30)
+        os._exit(0)
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict[str, Any]:
+    def say(text: str) -> None:
+        print(f"[N={n} {time.monotonic() - t_start:7.2f} s] {text}", file=sys.stderr, flush=True)
+
+    t_start = time.monotonic()
+    with ThreadPoolExecutor(min(n, 32)) as pool:
+        parts = list(pool.map(lambda i: _Participant(i, n, port), range(n)))
+    say(f"{n} participants connected")
+    lock = threading.Lock()
+    go = threading.Event()
+    formation = _Phase({p.name for p in parts}, -1, parts)
+    phase = [formation]
+
+    def life(p: _Participant) -> None:
+        go.wait()
+        while not p.quit:
+            try:
+                if p.trigger == "watch":
+                    p.rdzv.announce()
+                m = p.rdzv.join()
+            except BaseException as exc:  # recorded, reported by the main thread
+                p.error = exc
+                return
+            with lock:
+                p.membership = m
+                p.busy = False
+                phase[0].formed[m.generation] = m.size if m is not None else 0
+                phase[0].check()
+            p.wake.wait()
+            p.wake.clear()
+
+    threads = [threading.Thread(target=life, args=(p,), daemon=True, name=p.name) for p in parts]
+    for t in threads:
+        t.start()
+    out: dict[str, Any] = dict.fromkeys(
+        (
+            "formation_s",
+            "regroup_s",
+            "ops_per_participant",
+            "bytes_per_participant",
+            "ops_max",
+            "bytes_max",
+            "steady_ops_per_s",
+            "steady_keys_per_s",
+        )
+    )
+    info: dict[str, Any] = {}
+    t0 = time.monotonic()
+    go.set()
+    if not formation.done.wait(args.deadline):
+        out["incomplete"] = f"formation: at the {args.deadline:g} s deadline, {formation.reached()}"
+        errors = [repr(p.error) for p in parts if p.error is not None]
+        if errors:
+            out["incomplete"] += f"; {len(errors)} join() raised, the first: {errors[0]}"
+        say(out["incomplete"])
+        return out | {"_info": info}
+    out["formation_s"] = formation.at - t0
+    say(f"formation {out['formation_s']:.3f} s")
+
+    # the stand-in training loop of every participant, in one driver thread
+    acting = threading.Event()  # after the kill: triggers make participants join
+    stop = threading.Event()
+    victim = parts[n // 2] if n > 1 else None
+    survivors = [p for p in parts if p is not victim]
+    stale = max(2 * parts[0].rdzv.expiry, 1.0)
+    # the watch (a stand-in for elastic.run's): `args.watchers` survivors, spread over the ranks, ask
+    # expired(); the first one that sees the victim gone announces, and the others learn it from
+    # pending(), as gloo's failed collectives would tell them. expired() costs O(N) (0.2 ms at N=512):
+    # on every survivor, every 0.1 s, it alone would take a core of this machine at 512
+    step = max(1, len(survivors) // args.watchers) if args.watchers else 0
+    watchers = {p.name for p in survivors[::step][: args.watchers]} if step else set()
+    seen_pending: set[str] = set()
+
+    def windows() -> tuple[float, float, float]:
+        return time.monotonic(), time.process_time(), _cpu(store_pid)
+
+    def load(a: tuple[float, float, float], b: tuple[float, float, float]) -> str:
+        wall = b[0] - a[0]
+        return f"bench {(b[1] - a[1]) / wall:.2f} + store {(b[2] - a[2]) / wall:.2f} cores"
+
+    def drive() -> None:
+        last_watch = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            watching = bool(watchers) and acting.is_set() and now - last_watch >= WATCH
+            if watching:
+                last_watch = now
+            for p in active[0]:
+                if p.busy:
+                    continue
+                p.rdzv.progress()
+                trigger = ""
+                if p.rdzv.pending():
+                    trigger = "pending"
+                elif watching and p.name in watchers and p.rdzv.expired(stale):
+                    trigger = "watch"
+                if not trigger:
+                    continue
+                if not acting.is_set():
+                    seen_pending.add(p.name)
+                    continue
+                p.busy, p.trigger = True, trigger
+                phase[0].triggers[trigger] = phase[0].triggers.get(trigger, 0) + 1
+                p.wake.set()
+            time.sleep(LOOP)
+
+    active = [parts]  # the victim trains too until it stops beating
+    driver = threading.Thread(target=drive, daemon=True, name="driver")
+    driver.start()
+    time.sleep(SETTLE)
+    s0, c0 = [p.totals() for p in parts], windows()
+    time.sleep(args.steady)
+    s1, c1 = [p.totals() for p in parts], windows()
+    w0, w1 = c0[0], c1[0]
+    info["cpu_steady"] = load(c0, c1)
+    out["steady_ops_per_s"] = sum(b[0] - a[0] for a, b in zip(s0, s1)) / (w1 - w0)
+    out["steady_keys_per_s"] = sum(b[1] - a[1] for a, b in zip(s0, s1)) / (w1 - w0)
+    info["false_expired"] = sum(1 for p in survivors if p.rdzv.expired(stale))
+    info["steady_pending"] = len(seen_pending)
+    say(f"steady {out['steady_ops_per_s']:.0f} ops/s, {out['steady_keys_per_s']:.0f} keys/s")
+    if victim is None:
+        stop.set()
+        return out | {"_info": info}
+
+    regroup = _Phase({p.name for p in survivors}, 0, parts)
+    with lock:
+        phase[0] = regroup
+    survivors_before = {p.name: p.totals() for p in survivors}
+    active[0] = survivors
+    c0 = windows()
+    t0 = c0[0]
+    victim.rdzv.close()
+    acting.set()
+    if regroup.done.wait(args.deadline):
+        out["regroup_s"] = regroup.at - t0
+        after = regroup.snapshot
+        say(f"regroup {out['regroup_s']:.3f} s")
+    else:
+        after = {p.name: p.totals() for p in survivors}
+        out["incomplete"] = (
+            f"regroup: at the {args.deadline:g} s deadline, {regroup.reached()} (ops and bytes: up to the "
+            f"deadline)"
+        )
+        say(out["incomplete"])
+    info["cpu_regroup"] = load(c0, windows())
+    stop.set()
+    ops = [after[k][0] - survivors_before[k][0] for k in after]
+    nbytes = [after[k][2] - survivors_before[k][2] for k in after]
+    out["ops_per_participant"] = sum(ops) / len(ops)
+    out["bytes_per_participant"] = sum(nbytes) / len(nbytes)
+    out["ops_max"] = max(ops)
+    out["bytes_max"] = max(nbytes)
+    info["triggers"] = dict(regroup.triggers)
+    gens = {p.membership.generation for p in survivors if p.membership is not None}
+    info["generation"] = max(gens) if gens else None
+    return out | {"_info": info}
+
+
+def _ratio(value: float | None, target: float) -> str:
+    return "-" if value is None else f"{value / target:.2f}"
+
+
+def _fmt(value: Any, spec: str) -> str:
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return "-".rjust(width) if value is None else format(value, spec)
+
+
+def _capped(value: float | None, spec: str, args: argparse.Namespace) -> str:
+    """A phase's seconds, or ``>deadline`` where it was capped."""
+    width = int(spec.split(".")[0])
+    return f">{args.deadline:g}".rjust(width) if value is None else format(value, spec)
+
+
+def _table(
+    results: dict[str, dict[str, Any]], info: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> str:
+    ns = sorted(results, key=int)
+    base = results[ns[0]]
+    rows = [
+        "rendezvous at scale: threads as participants, one TCPStore client each (+ its heartbeat's clone), "
+        "store served by a child `python -m elastic.store`; process_space patched to '' (liveness by "
+        "heartbeat only, as across hosts)",
+        f"timeout=10 s (period 0.1 s, expiry 0.6 s, grace 3 s), join_timeout=600 s, min_workers=1, "
+        f"first_workers=max_workers=N; victim: participant N//2 (close()); loop {LOOP * 1000:g} ms; "
+        f"watch: {args.watchers} survivors every 0.1 s, expired(max(2*expiry, 1 s)) -> announce()+join(); "
+        f"steady: {SETTLE:g} s settle + {args.steady:g} s window; deadline {args.deadline:g} s a phase; "
+        f"switch interval {args.switch * 1000:g} ms; connections made before the phases",
+        "",
+        f"{'N':>5} {'form_s':>8} {'regroup_s':>9} {'ops/p':>9} {'bytes/p':>11} {'ops_max':>8} "
+        f"{'bytes_max':>11} {'st_ops/s':>10} {'st_keys/s':>11} | {'ops x':>6} {'bytes x':>7} "
+        f"{'keys/20N':>8} {'rg/1s':>6} | {'run_s':>6}  triggers",
+    ]
+    for k in ns:
+        r, i = results[k], info[k]
+        ops_x = bytes_x = None
+        if r["ops_per_participant"] is not None and base["ops_per_participant"]:
+            ops_x = r["ops_per_participant"] / base["ops_per_participant"]
+            bytes_x = r["bytes_per_participant"] / base["bytes_per_participant"]
+        rows.append(
+            f"{k:>5} {_capped(r['formation_s'], '8.3f', args)} {_capped(r['regroup_s'], '9.3f', args)} "
+            f"{_fmt(r['ops_per_participant'], '9.0f')} {_fmt(r['bytes_per_participant'], '11.0f')} "
+            f"{_fmt(r['ops_max'], '8d')} {_fmt(r['bytes_max'], '11d')} "
+            f"{_fmt(r['steady_ops_per_s'], '10.0f')} "
+            f"{_fmt(r['steady_keys_per_s'], '11.0f')} | {_fmt(ops_x, '6.2f')} {_fmt(bytes_x, '7.2f')} "
+            f"{_ratio(r['steady_keys_per_s'], 20 * int(k)):>8} {_ratio(r['regroup_s'], 1.0):>6} | "
+            f"{i.get('run_s', 0):6.1f}  {i.get('triggers', '-')}"
+        )
+    rows += [
+        "",
+        f"targets: ops x, bytes x = per-participant ops, bytes of the regroup / those at N={ns[0]} (<= 2); "
+        "keys/20N = steady keys read/s / (20*N) (<= 1); rg/1s = regroup_s / 1 s (<= 1 at N=512)",
+        "triggers: what made the survivors join (pending(): the store said so; watch: expired() saw the "
+        "victim's heartbeat stand still, the survivor announced); a capped phase (>deadline): ops and "
+        "bytes over the deadline's window, not a regroup's",
+    ]
+    for k in ns:
+        notes = [f"{key}={value}" for key, value in info[k].items() if key not in ("run_s", "triggers")]
+        if "incomplete" in results[k]:
+            notes.append(results[k]["incomplete"])
+        rows.append(f"N={k}: " + ", ".join(notes))
+    return "\n".join(rows)
+
+
+def _env() -> dict[str, str]:
+    """The environment of a run: torch's TCPStore client looks up the host name of every address it
+    connects to (``getnameinfo``, for its log lines, pytorch#159007) and stops only once a lookup fails;
+    where DNS answers slowly (here: ``::ffff:127.0.0.1`` is not in /etc/hosts, some reverse lookups took
+    5 s) that stalls connections. A resolver timeout of 1 s, one attempt, makes the first slow one fail."""
+    env = dict(os.environ)
+    env.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    return env
+
+
+def scale_main(args: argparse.Namespace) -> None:
+    results: dict[str, dict[str, Any]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for n in (int(x) for x in args.participants.split(",")):
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), "--result", f.name]
+            cmd += ["--steady", str(args.steady), "--deadline", str(args.deadline)]
+            cmd += ["--watchers", str(args.watchers)]
+            cmd += ["--switch", str(args.switch)]
+            began = time.monotonic()
+            rc = subprocess.run(cmd, check=False, env=_env()).returncode
+            text = f.read()
+        if rc != 0 or not text:
+            msg = f"N={n}: the benchmark process exited with status {rc}"
+            raise SystemExit(msg)
+        result = json.loads(text)
+        info[str(n)] = result.pop("_info") | {"run_s": time.monotonic() - began}
+        results[str(n)] = result
+        if args.json:  # written after each N: a later one that fails keeps the earlier ones
+            with open(args.json, "w") as out:
+                json.dump(results, out, indent=2)
+    print(_table(results, info, args))
+
+
+def _raise_limits() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--participants", help="the scale mode: comma-separated N, e.g. 8,64,512")
+    parser.add_argument("--json", help="the scale mode's results, written to this file")
+    parser.add_argument("--steady", type=float, default=3.0, help="seconds of the steady-state window")
+    parser.add_argument("--deadline", type=float, default=300.0, help="seconds a phase may take at most")
+    parser.add_argument(
+        "--watchers", type=int, default=8, help="survivors watching expired() (0: pending() alone)"
+    )
+    parser.add_argument(
+        "--switch", type=float, default=SWITCH, help="the participants' process's sys.setswitchinterval"
+    )
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    _raise_limits()
+    if args.one is not None:
+        _one(args.one, args)  # exits: threads still blocked in join() (a capped phase) must not hold it
+    if args.participants:
+        scale_main(args)
+    else:
+        kills_main(args)
 
 
 if __name__ == "__main__":
