@@ -107,6 +107,9 @@ def tick_key(n: int, k: int) -> str:
     return f"t/{n}/{k}"
 
 
+#: every how many heartbeat periods a member other than the monitor reads the monitor's summary (the
+#: monitor reads every member's counter every period): about 1.5 N keys read per period in all
+FOLLOW_EVERY = 2
 #: how long one attempt to reach a store that went away may take (seconds)
 RECONNECT = 0.25
 #: how often a round's leader rings while it judges (the others wait for its ticks with `store.wait`)
@@ -792,6 +795,7 @@ class Rendezvous:
         self._replaced = 0  # how many times the store was found restarted
         self._counter = 0  # this participant's heartbeat counter, as the store last returned it
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
+        self._beats = 0
 
     # ----------------------------------------------------------------------------------------- public
 
@@ -1317,6 +1321,11 @@ class Rendezvous:
     def _beat_once(self, ops: Ops) -> None:
         if self._making_progress(time.monotonic()):
             self._counter = ops.add(hb_key(self.participant), 1)
+        self._beats += 1
+        with self._lock:
+            monitor = bool(self._members) and self._members[0] == self.participant
+        if not monitor and self._beats % FOLLOW_EVERY:
+            return  # the others read the monitor's summary every FOLLOW_EVERY periods
         pending = self._refresh(ops, write=True)
         if pending is not None:
             with self._lock:
