@@ -26,12 +26,13 @@ tell who is gone. Phases, for each N:
   store ops/s and keys read/s over all participants' clients;
 - regroup: participant N//2 (never rank 0) stops beating (its `close()` stops its heartbeat thread); the
   others run a stand-in training loop: every 5 ms a driver thread calls each one's `progress()` and checks
-  its `pending()`, and the participant calls `join()` when it turns True. Like `elastic.run`'s watch,
-  8 survivors spread over the ranks (``--watchers``; 0: `pending()` alone) also ask, every 0.1 s,
-  `expired(max(2*expiry, 1 s))` (no store read) and, when a member is gone, `announce()` and join (the
-  collective that would fail); the others learn it from `pending()`, as gloo's failed collectives would
-  tell them (expired() is O(N): on every survivor it alone would take a core here at N=512). The
-  current protocol needs the watch: its `pending()` does not turn True when a member just stops beating.
+  its `pending()`; as `world.check()` exchanges the flags (one all-reduce), every survivor calls `join()`
+  once any survivor's `pending()` turned True (``--no-exchange``: each on its own `pending()`). The
+  protocol before issue 22 needed a stand-in for `elastic.run`'s watch too (its `pending()` did not turn
+  True when a member just stopped beating): ``--watchers K`` survivors spread over the ranks also ask,
+  every 0.1 s, `expired(max(2*expiry, 1 s))` (no store read) and, when a member is gone, `announce()`
+  and join (the collective that would fail; expired() was O(N): on every survivor it alone would take a
+  core here at N=512); ``--watchers 0`` (the new protocol's monitor raises `pending()` itself).
   Seconds from the `close()` until every survivor holds one generation of exactly the N-1 survivors, and
   the ops and bytes read over that window, per survivor (the mean and the max).
 
@@ -559,16 +560,20 @@ def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict
             watching = bool(watchers) and acting.is_set() and now - last_watch >= WATCH
             if watching:
                 last_watch = now
+            triggers: dict[str, str] = {}
             for p in active[0]:
                 if p.busy:
                     continue
                 p.rdzv.progress()
-                trigger = ""
                 if p.rdzv.pending():
-                    trigger = "pending"
+                    triggers[p.name] = "pending"
                 elif watching and p.name in watchers and p.rdzv.expired(stale):
-                    trigger = "watch"
-                if not trigger:
+                    triggers[p.name] = "watch"
+            if triggers and args.exchange:  # world.check(): the flags are exchanged, every rank leaves
+                triggers = {p.name: triggers.get(p.name, "check") for p in active[0] if not p.busy}
+            for p in active[0]:
+                trigger = triggers.get(p.name, "")
+                if p.busy or not trigger:
                     continue
                 if not acting.is_set():
                     seen_pending.add(p.name)
@@ -684,8 +689,9 @@ def _table(
         f"targets: ops x, bytes x = per-participant ops, bytes of the regroup / those at N={ns[0]} (<= 2); "
         "keys/20N = steady keys read/s / (20*N) (<= 1); rg/1s = regroup_s / 1 s (<= 1 at N=512)",
         "triggers: what made the survivors join (pending(): the store said so; watch: expired() saw the "
-        "victim's heartbeat stand still, the survivor announced); a capped phase (>deadline): ops and "
-        "bytes over the deadline's window, not a regroup's",
+        "victim's heartbeat stand still, the survivor announced; check: another survivor's flag, exchanged "
+        "as world.check() does); a capped phase (>deadline): ops and bytes over the deadline's window, not "
+        "a regroup's",
     ]
     for k in ns:
         notes = [f"{key}={value}" for key, value in info[k].items() if key not in ("run_s", "triggers")]
@@ -748,6 +754,13 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a phase may take at most")
     parser.add_argument(
         "--watchers", type=int, default=8, help="survivors watching expired() (0: pending() alone)"
+    )
+    parser.add_argument(
+        "--no-exchange",
+        dest="exchange",
+        action="store_false",
+        help="each survivor joins on its own pending() (default: as world.check() exchanges the flags, "
+        "every survivor joins once any survivor's pending() or watch says so)",
     )
     parser.add_argument(
         "--switch", type=float, default=SWITCH, help="the participants' process's sys.setswitchinterval"
