@@ -753,7 +753,7 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=3.0, help="seconds of the steady-state window")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a phase may take at most")
     parser.add_argument(
-        "--watchers", type=int, default=8, help="survivors watching expired() (0: pending() alone)"
+        "--watchers", type=int, default=0, help="survivors watching expired() (0: pending() alone)"
     )
     parser.add_argument(
         "--no-exchange",
