@@ -25,7 +25,8 @@ tell who is gone. Phases, for each N:
 - steady state: 1 s to settle, then a 3 s window (``--steady``) in which all train and nothing happens:
   store ops/s and keys read/s over all participants' clients;
 - regroup: participant N//2 (never rank 0) stops beating (its `close()` stops its heartbeat thread); the
-  others run a stand-in training loop: every 5 ms a driver thread calls each one's `progress()` and checks
+  others run a stand-in training loop: every 20 ms (a short step; at 5 ms the driver alone
+  competed for the GIL at N=512) a driver thread calls each one's `progress()` and checks
   its `pending()`; as `world.check()` exchanges the flags (one all-reduce), every survivor calls `join()`
   once any survivor's `pending()` turned True (``--no-exchange``: each on its own `pending()`). The
   protocol before issue 22 needed a stand-in for `elastic.run`'s watch too (its `pending()` did not turn
@@ -182,7 +183,7 @@ def kills_main(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------- the scale mode
 
 JOIN_TIMEOUT = timedelta(seconds=600)
-LOOP = 0.005  # the stand-in training loop: progress() and pending() every 5 ms
+LOOP = 0.02  # the stand-in training loop: progress() and pending() every 20 ms (a short training step)
 WATCH = 0.1  # elastic.run's _Watch.PERIOD
 SETTLE = 1.0
 STACK = 2 << 20  # ~1000 threads: 2 MiB stacks instead of the default 8 MiB
@@ -569,8 +570,15 @@ def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict
                     triggers[p.name] = "pending"
                 elif watching and p.name in watchers and p.rdzv.expired(stale):
                     triggers[p.name] = "watch"
-            if triggers and args.exchange:  # world.check(): the flags are exchanged, every rank leaves
-                triggers = {p.name: triggers.get(p.name, "check") for p in active[0] if not p.busy}
+            if triggers and args.exchange:  # world.check(): the members of a generation exchange their
+                # flags, and all of them leave at the same call
+                by_name = {p.name: p for p in active[0]}
+                leaving = {by_name[name].rdzv.generation for name in triggers}
+                triggers = {
+                    p.name: triggers.get(p.name, "check")
+                    for p in active[0]
+                    if not p.busy and p.rdzv.generation in leaving
+                }
             for p in active[0]:
                 trigger = triggers.get(p.name, "")
                 if p.busy or not trigger:
