@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
+
+from elastic._util.address import listen_address
 
 __all__ = [
     "ANSWER",
@@ -49,7 +49,6 @@ log = logging.getLogger("elastic")
 
 #: The first word of the line a listener answers with; the participant id follows.
 ANSWER = b"elastic-reach "
-_SIOCGIFADDR = 0x8915
 _MAX_ANSWER = 512
 
 
@@ -68,45 +67,15 @@ def _join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _interface_ipv4(name: str) -> str | None:
-    """The IPv4 address of network interface `name`, or None (no such interface, no IPv4 address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def _bindable(host: str) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-    except OSError:
-        return False
-    return True
-
-
 def gloo_address() -> str:
-    """The address gloo binds its pairs to: the IPv4 address of ``GLOO_SOCKET_IFNAME`` (the first
-    interface of a list) when set, else the first address the host name resolves to that can be bound,
-    else loopback (gloo's own fallback)."""
-    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
-    if names:
-        found = _interface_ipv4(names[0])
-        if found is not None:
-            return found
-        log.warning(
-            "reach: GLOO_SOCKET_IFNAME=%s has no IPv4 address; probing peers on the host name's address",
-            names[0],
-        )
-    with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
-            host = str(info[4][0])
-            if _bindable(host):
-                return host
-    return "127.0.0.1"
+    """The address gloo binds its pairs to (`elastic._util.address.listen_address`, the rule the TCP
+    transport listens by too); when ``GLOO_SOCKET_IFNAME`` names an interface without an address here,
+    a warning and the rule without the variable (the host name's address)."""
+    try:
+        return listen_address()
+    except OSError as exc:
+        log.warning("reach: %s; probing peers on the host name's address (no IPv4 address there)", exc)
+    return listen_address(interfaces="")
 
 
 class Listener:

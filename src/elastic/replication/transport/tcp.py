@@ -62,9 +62,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from elastic._util.address import listen_address
 from elastic._util.errors import SyncError
 from elastic.replication.comm import Comm, fault_point
-from elastic.replication.transport.address import listen_address
 from elastic.replication.transport.broadcast import (
     BUCKET_BYTES,
     IN_FLIGHT,

@@ -93,7 +93,7 @@ def _route_address(host: str | None) -> str:
 _found: dict[tuple[str, str | None], str | None] = {}
 
 
-def listen_address(group: Any = None) -> str:
+def listen_address(group: Any = None, *, interfaces: str | None = None) -> str:
     """The address a source listens on: the one its peers reach gloo at.
 
     gloo binds to ``GLOO_SOCKET_IFNAME``'s interface when it is set (the first one named), else to the
@@ -105,6 +105,7 @@ def listen_address(group: Any = None) -> str:
 
     Args:
         group: the process group whose store host the last rule uses (None: the default group).
+        interfaces: what ``GLOO_SOCKET_IFNAME`` would say (None: the variable; "": no interface).
 
     Returns:
         An IPv4 or IPv6 address, as text.
@@ -112,7 +113,7 @@ def listen_address(group: Any = None) -> str:
     Raises:
         OSError: ``GLOO_SOCKET_IFNAME`` names an interface without an address here.
     """
-    names = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    names = (os.environ.get("GLOO_SOCKET_IFNAME", "") if interfaces is None else interfaces).strip()
     if names:
         name = names.split(",")[0].strip()
         if ("interface", name) not in _found:  # a failure is not kept: the next plan looks again

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import elastic.replication.transport.address as address
+import elastic._util.address as address
 
 
 @pytest.fixture(autouse=True)
