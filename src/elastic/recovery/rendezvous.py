@@ -388,11 +388,14 @@ class Joiner:
     phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (skip decided rounds),
     ``slot``/``put`` (number and write ``+me``), ``prev``/``prevall`` (generation round-1's members, when
     not a member of it), ``lead`` (become the round's leader, or learn who is), then for the leader
-    ``poll`` (decided?), ``count`` (how many events), ``read`` (the next unread one; judge when none is
-    left), ``propose`` (write the whole list), ``guard`` (a round with no previous generation: does
-    ``next`` still allow it?), ``commit`` (the decision's compare_set); for the others ``wait`` (for the
-    decision, bounded; judge the leader when it times out) and ``takeover``; then ``decided``
-    (read the decision), ``all`` (the whole list), ``hinted`` (the leader raises ``next``), ``done``.
+    ``poll`` (decided?), ``current?`` (has ``next`` passed this round: a restarted store re-seeded a
+    later generation; then ``over?``: decided just now, or obsolete), ``count`` (how many events),
+    ``read`` (the next unread one; judge when none is left), ``propose`` (write the whole list),
+    ``guard`` (a round with no previous generation: does ``next`` still allow it?), ``commit`` (the
+    decision's compare_set); for the others ``wait`` (the leader's ticks), ``wake`` (decided?),
+    ``obsolete?`` (as ``current?``), ``sleep`` (for the next tick, bounded; judge the leader when it
+    times out) and ``takeover``; then ``decided`` (read the decision), ``all`` (the whole list),
+    ``hinted`` (the leader raises ``next``), ``done``.
     """
 
     me: str
@@ -505,6 +508,10 @@ def step(
     if j.phase == "wake":
         if store.check([decision_key(n)]):
             return attrs.evolve(j, phase="decided")
+        return attrs.evolve(j, phase="obsolete?")
+    if j.phase == "obsolete?":  # a restarted store re-seeded a later generation: this round is over
+        if store.add(NEXT, 0) > n:
+            return attrs.evolve(j, phase="over?")
         if seen is not None:
             seen(j.leader)
         return attrs.evolve(j, phase="sleep")
@@ -520,7 +527,15 @@ def step(
     if j.phase == "poll":
         if store.check([decision_key(n)]):
             return attrs.evolve(j, phase="decided")
+        return attrs.evolve(j, phase="current?")
+    if j.phase == "current?":  # a restarted store re-seeded a later generation: this round is over
+        if store.add(NEXT, 0) > n:
+            return attrs.evolve(j, phase="over?")
         return attrs.evolve(j, phase="count")
+    if j.phase == "over?":  # `next` passed this round: decided just now (next is raised after), or obsolete
+        if store.check([decision_key(n)]):
+            return attrs.evolve(j, phase="decided")
+        return _restart(j, n + 1)
     if j.phase == "count":
         count = store.add(count_key(n), 0)
         unread = (*j.holes, *range(j.read + 1, count + 1))
@@ -1220,6 +1235,11 @@ class Rendezvous:
 
             view.prev = prev
             view.alive = tuple(p for p in dict.fromkeys((*prev, *events.joined)) if alive(p))
+            quiet = now - view.changed >= self.last_call
+            if orphan and not quiet:
+                # no previous generation in the store (the first round, or a store restarted empty): wait
+                # for the members' re-seed whatever joined, even max_workers (the SPIN model found it)
+                return None
             return decide(
                 prev,
                 events,
@@ -1227,7 +1247,7 @@ class Rendezvous:
                 ready=alive,
                 min_workers=self.first_workers if n == 0 else self.min_workers,
                 max_workers=self.max_workers,
-                quiet=now - view.changed >= self.last_call,
+                quiet=quiet,
                 fit=self.fit,
             )
 
