@@ -262,7 +262,10 @@ class Links:
             if finished():
                 return
             try:
-                alive = set(rdzv.alive()) | {me}
+                # the peers' own counters: this participant's generation has ended for its peers, and its
+                # monitor's summary no longer moves once the monitor went on (judging by it: a loop)
+                beating = getattr(rdzv, "beating", None)
+                alive = set(beating(members) if beating is not None else rdzv.alive()) | {me}
             except ElasticError:
                 alive = set(members)
             live = [p for p in members if p in alive]

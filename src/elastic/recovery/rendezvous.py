@@ -811,6 +811,9 @@ class Rendezvous:
         self._counter = 0  # this participant's heartbeat counter, as the store last returned it
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
         self._beats = 0
+        self._evidence: tuple[int, str] = (-1, "")  # (generation, tokens) of the last `unreachable`
+        #: when this participant found the store restarted empty (monotonic; None: never)
+        self._restarted_at: float | None = None
 
     # ----------------------------------------------------------------------------------------- public
 
@@ -1022,7 +1025,18 @@ class Rendezvous:
         """
         tokens = "".join(f"x{a}|{b}," for a, b in pairs if a != b)
         if tokens:
+            self._evidence = (self._generation, tokens)  # posted again if the store restarts empty
             self._write(tokens, "report the participants it cannot connect to")
+
+    def beating(self, names: Iterable[str]) -> set[str]:
+        """Those of `names` whose heartbeat counter changed within `expiry`, read now (one multi_get;
+        a participant never seen before counts as beating until it has stood still for `expiry`). For a
+        participant waiting outside the rendezvous, whose generation's summary no longer moves."""
+        names = [p for p in names if p != self.participant]
+        with contextlib.suppress(*_STORE_ERRORS):
+            self._observe(self._main(), names)
+        now = time.monotonic()
+        return {p for p in names if self._fresh(p, now, self.expiry)} | {self.participant}
 
     def finish(self) -> None:
         """The function returned in the current generation: the run is finished, every later join (and any
@@ -1110,6 +1124,7 @@ class Rendezvous:
             self._epoch = epoch
             self._replaced += 1
             self._renew_main = True
+            self._restarted_at = time.monotonic()
             self._known = set()
             g, members = self._generation, self._members
         ops.add(hb_key(self.participant), 1)
@@ -1129,6 +1144,11 @@ class Rendezvous:
                 log.warning("rendezvous: %s: generation %d was re-decided without it", self.participant, g)
                 self._stale = self._pending = True
         raise_to(ops, NEXT, g)
+        generation, tokens = self._evidence
+        if generation == g:  # the pairs this participant reported: the round after g needs them again
+            for token in tokens.split(","):
+                if token:
+                    add_event(ops, g + 1, token)
         self._cursor = _Cursor()
 
     def _write(self, event: str, what: str) -> None:
@@ -1236,6 +1256,11 @@ class Rendezvous:
             view.prev = prev
             view.alive = tuple(p for p in dict.fromkeys((*prev, *events.joined)) if alive(p))
             quiet = now - view.changed >= self.last_call
+            restarted = self._restarted_at
+            if restarted is not None and now - restarted < self.last_call:
+                # a store restarted empty: the other members may not have re-seeded it yet (a decision
+                # they took there before may be gone): judge nothing until they had the time (SPIN model)
+                return None
             if orphan and not quiet:
                 # no previous generation in the store (the first round, or a store restarted empty): wait
                 # for the members' re-seed whatever joined, even max_workers (the SPIN model found it)
