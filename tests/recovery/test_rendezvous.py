@@ -143,13 +143,17 @@ def test_model_catches_a_straggler_that_trains_anyway(monkeypatch: pytest.Monkey
 
 @pytest.mark.skipif(shutil.which("spin") is None or shutil.which("gcc") is None, reason="spin or gcc missing")
 def test_spin_model_has_no_errors(tmp_path: Path) -> None:
+    """docs/rendezvous.pml, every scenario of its default run (crashes, a stall, the store restarted
+    empty, a pair that cannot connect, newcomers, spares): about 2.3 M states, a few seconds, 320 MB."""
     model = tmp_path / "rendezvous.pml"
     shutil.copy(ROOT / "docs" / "rendezvous.pml", model)
     subprocess.run(["spin", "-a", model.name], cwd=tmp_path, check=True, capture_output=True, timeout=60)
     subprocess.run(
         ["gcc", "-O2", "-DSAFETY", "-DNOREDUCE", "-o", "pan", "pan.c"], cwd=tmp_path, check=True, timeout=120
     )
-    out = subprocess.run(["./pan", "-m100000"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["./pan", "-m100000", "-w22"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert "errors: 0" in out.stdout, out.stdout
     stored = re.search(r"(\d+) states, stored", out.stdout)
     assert stored is not None and int(stored.group(1)) > 1000, out.stdout
