@@ -12,7 +12,8 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -157,3 +158,28 @@ def use_transport(kind: str, *, bucket_bytes: int, direct_bytes: int | None = No
     else:
         msg = f"unknown transport {kind!r}; use one of {TRANSPORTS}"
         raise ValueError(msg)
+
+
+@contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """Count the all-reduces and broadcasts issued inside the block (the transports look them up at call
+    time)."""
+    import torch.distributed as dist
+
+    counts = {"all_reduce": 0, "broadcast": 0}
+    real = {name: getattr(dist, name) for name in counts}
+
+    def wrap(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)

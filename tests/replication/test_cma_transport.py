@@ -9,8 +9,6 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +18,7 @@ import torch
 
 import elastic
 import elastic.replication.transport.cma as cma
-from dist_harness import run_on_ranks
+from dist_harness import counting_collectives, run_on_ranks
 from elastic._util.placement import Placement
 from elastic.replication.comm import Comm
 from elastic.replication.transport.broadcast import BroadcastTransport, byte_view
@@ -192,30 +190,6 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return src, targets
 
 
-@contextmanager
-def _counting() -> Iterator[dict[str, int]]:
-    """Count the all-reduces and broadcasts issued inside the block."""
-    import torch.distributed as dist
-
-    counts = {"all_reduce": 0, "broadcast": 0}
-    real = {name: getattr(dist, name) for name in counts}
-
-    def wrap(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return real[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
 def _transfer(rank: int, chosen: CrossMemoryTransport, tamper: Any = None) -> dict[str, Any]:
     """One transfer from rank 0 with the source's plan; the collectives it issued, the errors each side
     reported, and on receivers the values and identities."""
@@ -229,7 +203,7 @@ def _transfer(rank: int, chosen: CrossMemoryTransport, tamper: Any = None) -> di
     plan = box[0] if tamper is None or rank != 1 else tamper(box[0])
     errors: list[str] = []
     ptrs = [t.data_ptr() for t in targets]
-    with _counting() as counts:
+    with counting_collectives() as counts:
         if rank == 0:
             chosen.send(comm, 0, src, metas, plan, lambda e: errors.append(str(e)))
         else:
@@ -274,7 +248,7 @@ def _two_rank_checks(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     expected = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64))
     ptrs = [p.data_ptr() for p in state.model.parameters()]
-    with _counting() as counts:
+    with counting_collectives() as counts:
         report = elastic.sync(state, timeout=20)
     out["sync"] = {
         "src": report.src,

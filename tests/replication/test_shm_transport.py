@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 import elastic
 import elastic.replication.transport.shm as shm
-from dist_harness import run_on_ranks
+from dist_harness import counting_collectives, run_on_ranks
 from elastic._util.placement import Placement
 from elastic.replication.comm import Comm
 from elastic.replication.transport.broadcast import BroadcastTransport, byte_view, plan_buckets
@@ -209,31 +208,6 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return src, targets
 
 
-@contextmanager
-def _counting() -> Iterator[dict[str, int]]:
-    """Count the all-reduces and broadcasts issued inside the block (the transports look them up at call
-    time)."""
-    import torch.distributed as dist
-
-    counts = {"all_reduce": 0, "broadcast": 0}
-    real = {name: getattr(dist, name) for name in counts}
-
-    def wrap(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return real[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -256,7 +230,7 @@ def _transfer(
     plan = box[0] if tamper is None or rank == 0 else tamper(box[0])
     errors: list[str] = []
     ptrs = [t.data_ptr() for t in targets]
-    with _counting() as counts:
+    with counting_collectives() as counts:
         if rank == 0:
             chosen.send(comm, 0, src, metas, plan, lambda e: errors.append(str(e)))
         else:
@@ -337,7 +311,7 @@ def _sync_checks(rank: int) -> dict[str, Any]:
     state.step = 5 if rank == 0 else rank
     expected = build(0)
     ptrs = [t.data_ptr() for t in [*state.model.parameters(), *state.extra]]
-    with _counting() as counts:
+    with counting_collectives() as counts:
         report = elastic.sync(state, timeout=20)
     got = [*state.model.parameters(), *state.extra]
     want = [*expected.model.parameters(), *expected.extra]

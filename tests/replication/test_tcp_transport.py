@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 
 import elastic
 import elastic.replication.transport.tcp as tcp
-from dist_harness import run_on_ranks
+from dist_harness import counting_collectives, run_on_ranks
 from elastic._util.placement import Placement
 from elastic.replication.comm import Comm
 from elastic.replication.transport.broadcast import BroadcastTransport, byte_view
@@ -234,30 +233,6 @@ def _tensors(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return src, targets
 
 
-@contextmanager
-def _counting() -> Iterator[dict[str, int]]:
-    """Count the all-reduces and broadcasts issued inside the block."""
-    import torch.distributed as dist
-
-    counts = {"all_reduce": 0, "broadcast": 0}
-    real = {name: getattr(dist, name) for name in counts}
-
-    def wrap(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return real[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -295,7 +270,7 @@ def _transfer(
     errors: list[str] = []
     ptrs = [t.data_ptr() for t in targets]
     out: dict[str, Any] = {"plan": plan}
-    with _counting() as counts:
+    with counting_collectives() as counts:
         try:
             if rank == 0:
                 chosen.send(comm, 0, src, metas, plan, lambda e: errors.append(str(e)))
@@ -408,7 +383,7 @@ def _three_rank_checks(rank: int, world: int, folder: str) -> dict[str, Any]:
     set_default_transport(TcpTransport())
     state = _trained(3 if rank == 0 else rank - 1)
     before = [p.data_ptr() for p in state.model.parameters()]
-    with _counting() as counts:
+    with counting_collectives() as counts:
         report = elastic.sync(state, timeout=20)
     expected = _values(_trained(3))
     out["sync"] = {
