@@ -511,8 +511,8 @@ def test_expired_is_judged_at_the_heartbeat_threads_readings_not_now() -> None:
     rdzv._members = ("me", "slow", "quiet")
     t0 = time.monotonic()
     rdzv._seen = {
-        "slow": rendezvous._Seen(7, t0 - 0.1, confirmed=True),
-        "quiet": rendezvous._Seen(3, t0 - 10 * rdzv.expiry, confirmed=True),
+        "slow": rendezvous._Seen(7, t0 - 0.1),
+        "quiet": rendezvous._Seen(3, t0 - 10 * rdzv.expiry),
     }
     assert rdzv.expired() == []  # never read: nobody is judged
     rdzv._observed_at = t0

@@ -598,11 +598,27 @@ def _read_decision(j: Joiner, raw: bytes, fit: Callable[[int], int] | None) -> J
     return _decided(attrs.evolve(j, leader=leader), members)
 
 
+def read_events(
+    store: Ops, n: int, read: int = 0, holes: tuple[int, ...] = ()
+) -> tuple[tuple[str, ...], int, tuple[int, ...]]:
+    """Round n's events not read yet: those numbered after `read` and the `holes` (numbered, not written
+    when last read). Returns (the new tokens, how far the numbers go, the holes left)."""
+    count = int(peek(store, count_key(n)) or b"0")
+    tokens: list[str] = []
+    left: list[int] = []
+    for i in (*holes, *range(read + 1, count + 1)):
+        raw = peek(store, event_key(n, i))
+        if raw is None:
+            left.append(i)
+        else:
+            tokens.append(raw.decode())
+    return tuple(tokens), max(read, count), tuple(left)
+
+
 def read_round(store: dist.Store, n: int) -> Log:
     """Round n's events and decision as one `Log` (for tests, benchmarks and tools: many operations)."""
     ops = _StoreOps(store)
-    count = int(peek(ops, count_key(n)) or b"0")
-    tokens = [raw.decode() for i in range(1, count + 1) if (raw := peek(ops, event_key(n, i))) is not None]
+    tokens = list(read_events(ops, n)[0])
     raw = peek(ops, decision_key(n))
     if raw == b"!":
         tokens.append("!")
@@ -668,7 +684,6 @@ class _View:
     changed: float = 0.0
     prev: tuple[str, ...] = ()
     alive: tuple[str, ...] = ()
-    leader: str = ""
 
 
 @attrs.define
@@ -677,7 +692,6 @@ class _Seen:
 
     counter: int
     changed: float  # when this participant first saw the counter at its value (monotonic)
-    confirmed: bool  # seen changing at least once: beating now, not just a key left behind
 
 
 @attrs.define
@@ -889,7 +903,7 @@ class Rendezvous:
         joined_at = -1
         view = _View()
         propose = self._proposer(view)
-        gone = self._leader_gone(view)
+        gone = self._leader_gone()
         wait = 3 * TICK
         rang = time.monotonic()
         replaced = self._replaced
@@ -1217,10 +1231,8 @@ class Rendezvous:
 
     def _note(self, p: str, counter: int, now: float) -> None:
         seen = self._seen.get(p)
-        if seen is None:
-            self._seen[p] = _Seen(counter, now, confirmed=False)
-        elif seen.counter != counter:
-            self._seen[p] = _Seen(counter, now, confirmed=True)
+        if seen is None or seen.counter != counter:
+            self._seen[p] = _Seen(counter, now)
 
     def _proposer(self, view: _View) -> Propose:
         def propose(n: int, prev: tuple[str, ...], events: Log, orphan: bool) -> tuple[str, ...] | None:
@@ -1278,9 +1290,8 @@ class Rendezvous:
 
         return propose
 
-    def _leader_gone(self, view: _View) -> Gone:
+    def _leader_gone(self) -> Gone:
         def gone(leader: str) -> bool:
-            view.leader = leader
             self._observe(self._link.ops, [leader])
             return not self._fresh(leader, time.monotonic(), self.expiry)
 
@@ -1392,16 +1403,9 @@ class Rendezvous:
         others = [p for p in members if p != self.participant]
         self._observe(ops, others)
         c = self._cursor if self._cursor.round == g + 1 else _Cursor(round=g + 1)
-        count = ops.add(count_key(g + 1), 0)
-        tokens, holes = list(c.tokens), []
-        for i in (*c.holes, *range(c.read + 1, count + 1)):
-            raw = peek(ops, event_key(g + 1, i))
-            if raw is None:
-                holes.append(i)
-            else:
-                tokens.append(raw.decode())
-        self._cursor = _Cursor(round=g + 1, read=max(c.read, count), holes=tuple(holes), tokens=tuple(tokens))
-        events = parse_events(tokens)
+        new, read, holes = read_events(ops, g + 1, c.read, c.holes)
+        self._cursor = c = _Cursor(round=g + 1, read=read, holes=holes, tokens=(*c.tokens, *new))
+        events = parse_events(c.tokens)
         decided = ops.check([decision_key(g + 1)])
         now = time.monotonic()
         with self._lock:
