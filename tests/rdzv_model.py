@@ -71,6 +71,11 @@ class MemStore:
     def wait_for(self, key: str, seconds: float) -> bool:
         return key in self.data
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        missing = [k for k in keys if k not in self.data]
+        assert not missing, f"multi_get of missing keys {missing} blocks (TCPStore waits for them)"
+        return [self.data[k] for k in keys]
+
     def delete_key(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
 
@@ -249,7 +254,7 @@ def successors(state: State, cfg: Config) -> Iterator[tuple[str, State, bool]]:
         elif w.status == "joining":
             j = w.joiner
             assert j is not None
-            if j.phase in ("count", "read", "sleep"):
+            if j.phase in ("count", "check", "fetch", "sleep"):
                 events = parse_events(j.events)
                 outcomes: set[Joiner] = set()
                 for dead, costs in _oracles(state, w, j, events, cfg):

@@ -557,7 +557,12 @@ def test_a_leader_reads_events_once_and_again_only_the_ones_not_yet_written() ->
     j = rendezvous.start("a", 0, ("a", "b"))
     while j.phase != "poll" or not seen:
         j = rendezvous.step(j, store, propose)
-    assert j.leader == "a" and j.holes == (slow,) and seen[-1] == ("b", "a")
+    # the first poll judges what came before the hole, the next one reads past it (a hole still)
+    assert j.leader == "a" and j.blocked == slow and not j.holes and seen[-1] == ("b",)
+    j = rendezvous.step(j, store, propose)
+    while j.phase != "poll":
+        j = rendezvous.step(j, store, propose)
+    assert j.holes == (slow,) and seen[-1] == ("b", "a")
     reads = len(j.events)
     store.set(rendezvous.event_key(1, slow), "+c")  # the slow writer's event arrives
     while j.phase != "done":
@@ -566,6 +571,57 @@ def test_a_leader_reads_events_once_and_again_only_the_ones_not_yet_written() ->
     assert len(j.events) == reads + 1  # the hole was read again, nothing else
     assert rendezvous.read_round(store, 1).decision == ("a", "b", "c")  # type: ignore[arg-type]
     assert store.data[rendezvous.NEXT] == b"2"
+
+
+def test_a_leader_reads_a_herd_of_events_in_batches_around_the_holes() -> None:
+    from rdzv_model import MemStore
+
+    class Counting(MemStore):
+        ops = 0
+
+        def check(self, keys: list[str]) -> bool:
+            Counting.ops += 1
+            return super().check(keys)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            Counting.ops += 1
+            return super().multi_get(keys)
+
+    store = Counting()
+    names = [f"{i}.p" for i in range(64)]
+    store.set(rendezvous.decision_key(0), rendezvous.encode_decision(names[0], tuple(names), ()))
+    store.set(rendezvous.members_key(0, names[0]), "|".join(names))
+    holes = {}
+    for i, p in enumerate(names[1:]):
+        if i in (7, 40):  # numbered by slow writers, not written yet
+            holes[store.add(rendezvous.count_key(1), 1)] = p
+        else:
+            rendezvous.add_event(store, 1, f"+{p}")
+    seen: list[tuple[str, ...]] = []
+
+    def propose(n: int, prev: tuple[str, ...], log: Log, orphan: bool) -> tuple[str, ...] | None:
+        seen.append(log.joined)
+        return tuple(names) if len(log.joined) == len(names) else None
+
+    j = rendezvous.start(names[0], 0, tuple(names))
+    polls = 0
+    while j.phase != "poll" or len(j.holes) < 2:
+        polls += j.phase == "poll"
+        j = rendezvous.step(j, store, propose)
+    # each poll reads up to the first new hole; the next one skips it: three polls for two holes
+    assert polls == 3 and j.holes == tuple(sorted(holes)) and len(seen[-1]) == len(names) - 2
+    assert Counting.ops <= 3 * 2 * 7, Counting.ops  # a few halvings per poll (log2 of 64): not 64 reads
+    # the monitor's reader follows the same rule
+    tokens, read, left, blocked = rendezvous.read_events(store, 1)
+    assert (blocked, read, left) == (min(holes), min(holes) - 1, ()) and len(tokens) == min(holes) - 1
+    assert rendezvous.read_events(store, 1, read, left, blocked)[3] == max(holes)
+    assert len(rendezvous.read_round(store, 1).joined) == len(names) - 2  # type: ignore[arg-type]
+    for slot, p in holes.items():
+        store.set(rendezvous.event_key(1, slot), f"+{p}")
+    assert len(rendezvous.read_round(store, 1).joined) == len(names)  # type: ignore[arg-type]
+    while j.phase != "done":
+        j = rendezvous.step(j, store, propose)
+    assert j.decision == tuple(names)
 
 
 def test_a_store_restarted_empty_is_re_seeded_and_a_newcomer_joins_the_members() -> None:

@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Protocol, TypeVar
 
@@ -136,6 +136,7 @@ class Ops(Protocol):
     one). `wait_for(key, seconds)`: block until `key` exists (True) or `seconds` passed (False)."""
 
     def check(self, keys: list[str]) -> bool: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
     def set(self, key: str, value: str) -> None: ...
     def add(self, key: str, value: int) -> int: ...
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
@@ -388,14 +389,17 @@ class Joiner:
     phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (skip decided rounds),
     ``slot``/``put`` (number and write ``+me``), ``prev``/``prevall`` (generation round-1's members, when
     not a member of it), ``lead`` (become the round's leader, or learn who is), then for the leader
-    ``poll`` (decided?), ``current?`` (has ``next`` passed this round: a restarted store re-seeded a
-    later generation; then ``over?``: decided just now, or obsolete), ``count`` (how many events),
-    ``read`` (the next unread one; judge when none is left), ``propose`` (write the whole list),
+    ``poll`` (decided? the decision itself, read at once), ``current?`` (has ``next`` passed this round:
+    a restarted store re-seeded a later generation; then ``over?``: decided just now, or obsolete),
+    ``count`` (how many events), ``check`` (are the first `batch` unread ones all written? a binary
+    search while one is a hole, numbered but not written yet: the first new hole ends the poll's
+    reading, the same hole at the next poll is skipped and read again later), ``fetch`` (those, in one
+    ``multi_get``; judge when none is left), ``propose`` (write the whole list),
     ``guard`` (a round with no previous generation: does ``next`` still allow it?), ``commit`` (the
-    decision's compare_set); for the others ``wait`` (the leader's ticks), ``wake`` (decided?),
+    decision's compare_set); for the others ``wait`` (the leader's ticks), ``wake`` (as ``poll``),
     ``obsolete?`` (as ``current?``), ``sleep`` (for the next tick, bounded; judge the leader when it
-    times out) and ``takeover``; then ``decided`` (read the decision), ``all`` (the whole list),
-    ``hinted`` (the leader raises ``next``), ``done``.
+    times out) and ``takeover``; then ``all`` (the whole list, when the decision's change of the
+    previous generation does not rebuild it), ``hinted`` (the leader raises ``next``), ``done``.
     """
 
     me: str
@@ -411,7 +415,12 @@ class Joiner:
     read: int = 0  # events read: 1..read, but for `holes`
     holes: tuple[int, ...] = ()  # events numbered but not written when read (their writer may be slow)
     events: tuple[str, ...] = ()
-    reading: int = 0  # the event the `read` phase reads
+    unread: tuple[int, ...] = ()  # the events the ``check``/``fetch`` phases read (after ``count``)
+    fresh: int = 0  # the first of them not numbered at the previous poll (those before it: `holes`)
+    blocked: int = 0  # the hole the previous poll stopped at (skipped, as a hole, if it still is one)
+    batch: int = 0  # how many of `unread`, from the first, the next ``check`` asks for
+    good: int = 0  # ... how many the checks found written (a prefix of `unread`)
+    bad: int = 0  # ... the shortest prefix found with a hole (0: none found)
     proposal: tuple[str, ...] = ()
     decision: tuple[str, ...] = ()
     finished: bool = False
@@ -505,9 +514,10 @@ def step(
         return attrs.evolve(j, phase="poll" if leader == j.me else "wait", leader=leader)
     if j.phase == "wait":  # the ticks first, then the decision: a decision after the check rings
         return attrs.evolve(j, phase="wake", tick=store.add(tick_count_key(n), 0))
-    if j.phase == "wake":
-        if store.check([decision_key(n)]):
-            return attrs.evolve(j, phase="decided")
+    if j.phase == "wake":  # decided? (the decision itself, read at once)
+        raw = peek(store, decision_key(n))
+        if raw is not None:
+            return _read_decision(j, raw, fit)
         return attrs.evolve(j, phase="obsolete?")
     if j.phase == "obsolete?":  # a restarted store re-seeded a later generation: this round is over
         if store.add(NEXT, 0) > n:
@@ -525,36 +535,42 @@ def step(
         leader = store.compare_set(lead_key(n), j.leader, j.me).decode()
         return attrs.evolve(j, phase="poll" if leader == j.me else "wait", leader=leader)
     if j.phase == "poll":
-        if store.check([decision_key(n)]):
-            return attrs.evolve(j, phase="decided")
+        raw = peek(store, decision_key(n))
+        if raw is not None:
+            return _read_decision(j, raw, fit)
         return attrs.evolve(j, phase="current?")
     if j.phase == "current?":  # a restarted store re-seeded a later generation: this round is over
         if store.add(NEXT, 0) > n:
             return attrs.evolve(j, phase="over?")
         return attrs.evolve(j, phase="count")
     if j.phase == "over?":  # `next` passed this round: decided just now (next is raised after), or obsolete
-        if store.check([decision_key(n)]):
-            return attrs.evolve(j, phase="decided")
+        raw = peek(store, decision_key(n))
+        if raw is not None:
+            return _read_decision(j, raw, fit)
         return _restart(j, n + 1)
     if j.phase == "count":
         count = store.add(count_key(n), 0)
         unread = (*j.holes, *range(j.read + 1, count + 1))
         if not unread:
             return _judge(j, propose)
-        return attrs.evolve(j, phase="read", reading=unread[0], holes=unread[1:], read=max(j.read, count))
-    if j.phase == "read":
-        raw = peek(store, event_key(n, j.reading))
-        events, holes = j.events, j.holes
-        if raw is None:
-            holes = (*holes, j.reading)  # numbered, not yet written: read it again at the next poll
+        read = max(j.read, count)
+        return attrs.evolve(
+            j, phase="check", unread=unread, batch=len(unread), holes=(), fresh=j.read + 1, read=read
+        )
+    if j.phase == "check":  # are the first `batch` unread events all written? One operation for them all
+        if store.check([event_key(n, i) for i in j.unread[: j.batch]]):
+            good, bad = j.batch, j.bad
         else:
-            events = (*events, raw.decode())
-        ahead = [i for i in holes if i > j.reading]
-        if ahead:  # the events numbered with this read: go on reading them
-            nxt = ahead[0]
-            rest = tuple(i for i in holes if i != nxt)
-            return attrs.evolve(j, events=events, holes=rest, reading=nxt)
-        return _judge(attrs.evolve(j, events=events, holes=holes, reading=0), propose)
+            good, bad = j.good, j.batch
+        if bad and bad - good > 1:  # a hole among them: binary search for the written prefix (log N)
+            return attrs.evolve(j, batch=(good + bad) // 2, good=good, bad=bad)
+        # the first `good` are written; when `bad`, the one after them is a hole
+        j = attrs.evolve(j, good=good, bad=bad)
+        return attrs.evolve(j, phase="fetch") if good else _hole(j, propose)
+    if j.phase == "fetch":  # the `good` events the check found written, in one operation
+        values = store.multi_get([event_key(n, i) for i in j.unread[: j.good]])
+        j = attrs.evolve(j, events=(*j.events, *(v.decode() for v in values)), unread=j.unread[j.good :])
+        return _hole(j, propose) if j.bad else _unread(j, propose)
     if j.phase == "propose":
         store.set(members_key(n, j.me), "|".join(j.proposal))
         return attrs.evolve(j, phase="guard" if j.orphan else "commit")
@@ -567,11 +583,6 @@ def step(
         raw = store.compare_set(decision_key(n), "", token)
         if raw.decode() == token:
             return _decided(j, j.proposal)
-        return _read_decision(j, raw, fit)
-    if j.phase == "decided":
-        raw = peek(store, decision_key(n))
-        if raw is None:  # cannot be (it was there); read it again
-            return attrs.evolve(j, phase="wait")
         return _read_decision(j, raw, fit)
     if j.phase == "all":
         raw = peek(store, members_key(n, j.leader))
@@ -588,6 +599,23 @@ def step(
     raise ValueError(msg)
 
 
+def _unread(j: Joiner, propose: Propose) -> Joiner:
+    """Check the unread events left, or judge when none is."""
+    if j.unread:
+        return attrs.evolve(j, phase="check", batch=len(j.unread), good=0, bad=0)
+    return _judge(attrs.evolve(j, batch=0, good=0, bad=0), propose)
+
+
+def _hole(j: Joiner, propose: Propose) -> Joiner:
+    """The first unread event is numbered but not written (its writer is between its two operations)."""
+    i, rest = j.unread[0], j.unread[1:]
+    if i < j.fresh or i == j.blocked:  # a hole since the last poll: skip it, read it again later
+        return _unread(attrs.evolve(j, holes=(*j.holes, i), unread=rest), propose)
+    # the first hole among the new events: judge what came before it, and go on from it at the next poll
+    # (its writer has likely written it by then; the events after it are read then too)
+    return _judge(attrs.evolve(j, read=i - 1, blocked=i, unread=(), batch=0, good=0, bad=0), propose)
+
+
 def _read_decision(j: Joiner, raw: bytes, fit: Callable[[int], int] | None) -> Joiner:
     if raw == b"!":
         return attrs.evolve(j, phase="done", finished=True)
@@ -599,26 +627,55 @@ def _read_decision(j: Joiner, raw: bytes, fit: Callable[[int], int] | None) -> J
 
 
 def read_events(
-    store: Ops, n: int, read: int = 0, holes: tuple[int, ...] = ()
-) -> tuple[tuple[str, ...], int, tuple[int, ...]]:
+    store: Ops, n: int, read: int = 0, holes: tuple[int, ...] = (), blocked: int = 0
+) -> tuple[tuple[str, ...], int, tuple[int, ...], int]:
     """Round n's events not read yet: those numbered after `read` and the `holes` (numbered, not written
-    when last read). Returns (the new tokens, how far the numbers go, the holes left)."""
+    when last read), read as the leader's ``check``/``fetch`` phases do: a ``check`` of a batch, halved
+    around a hole, then one ``multi_get``; the first new hole ends the reading (`blocked`: the hole the
+    last reading ended at, skipped if it still is one). Returns (the new tokens, how far the numbers were
+    read, the holes skipped, the hole it ended at or 0)."""
     count = int(peek(store, count_key(n)) or b"0")
     tokens: list[str] = []
     left: list[int] = []
-    for i in (*holes, *range(read + 1, count + 1)):
-        raw = peek(store, event_key(n, i))
-        if raw is None:
-            left.append(i)
+    todo = (*holes, *range(read + 1, count + 1))
+    fresh, read = read + 1, max(read, count)
+    while todo:
+        good = written_prefix(store, n, todo)
+        if good:
+            tokens += (v.decode() for v in store.multi_get([event_key(n, i) for i in todo[:good]]))
+            todo = todo[good:]
+            continue
+        i = todo[0]
+        if i >= fresh and i != blocked:
+            return tuple(tokens), i - 1, tuple(left), i
+        left.append(i)
+        todo = todo[1:]
+    return tuple(tokens), read, tuple(left), 0
+
+
+def written_prefix(store: Ops, n: int, numbers: Sequence[int]) -> int:
+    """How many of round n's events `numbers`, from the first, are written: one ``check`` when all are,
+    a binary search (log N checks) around a hole."""
+    good, bad, k = 0, 0, len(numbers)
+    while True:
+        if store.check([event_key(n, i) for i in numbers[:k]]):
+            good = k
         else:
-            tokens.append(raw.decode())
-    return tuple(tokens), max(read, count), tuple(left)
+            bad = k
+        if not bad or bad - good <= 1:
+            return good
+        k = (good + bad) // 2
 
 
 def read_round(store: dist.Store, n: int) -> Log:
     """Round n's events and decision as one `Log` (for tests, benchmarks and tools: many operations)."""
     ops = _StoreOps(store)
-    tokens = list(read_events(ops, n)[0])
+    tokens: list[str] = []
+    read, blocked = 0, -1
+    holes: tuple[int, ...] = ()
+    while blocked:  # past the holes too (each skipped the second time)
+        new, read, holes, blocked = read_events(ops, n, read, holes, max(blocked, 0))
+        tokens += new
     raw = peek(ops, decision_key(n))
     if raw == b"!":
         tokens.append("!")
@@ -701,6 +758,7 @@ class _Cursor:
     round: int = -1
     read: int = 0
     holes: tuple[int, ...] = ()
+    blocked: int = 0
     tokens: tuple[str, ...] = ()
 
 
@@ -924,7 +982,7 @@ class Rendezvous:
                 break
             if before.phase == "put":
                 joined_at = j.round
-            if j.phase == "poll" and before.phase in ("count", "read"):  # judged: not yet
+            if j.phase == "poll" and before.phase in ("count", "check", "fetch"):  # judged: not yet
                 now = time.monotonic()
                 if now > deadline:
                     if self.fit is not None and any(p in view.alive for p in view.prev):
@@ -1403,8 +1461,9 @@ class Rendezvous:
         others = [p for p in members if p != self.participant]
         self._observe(ops, others)
         c = self._cursor if self._cursor.round == g + 1 else _Cursor(round=g + 1)
-        new, read, holes = read_events(ops, g + 1, c.read, c.holes)
-        self._cursor = c = _Cursor(round=g + 1, read=read, holes=holes, tokens=(*c.tokens, *new))
+        new, read, holes, blocked = read_events(ops, g + 1, c.read, c.holes, c.blocked)
+        tokens = (*c.tokens, *new)
+        self._cursor = c = _Cursor(round=g + 1, read=read, holes=holes, blocked=blocked, tokens=tokens)
         events = parse_events(c.tokens)
         decided = ops.check([decision_key(g + 1)])
         now = time.monotonic()
