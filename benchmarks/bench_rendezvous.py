@@ -13,29 +13,28 @@ every survivor holds the next generation; then a replacement starts and joins at
 ``--participants 8,64,512 --json FILE``: how the protocol scales with the number of participants. Each N
 runs in a process of its own (so that a phase capped by its deadline leaves nothing behind), with the
 store served by a child process ``python -m elastic.store`` (its server thread then shares no GIL with the
-participants). N threads are the participants, each with its own TCPStore client connection wrapped in a
-counting `torch.distributed.Store` (`CountingStore`: ops, keys read, bytes read); the heartbeat thread of
-each `Rendezvous` clones that wrapper (``self._base.clone()``), so its traffic is counted too. Liveness is
-judged as across hosts: the benchmark replaces ``elastic.recovery.rendezvous.process_space`` by one that
-returns ``""``, so no participant learns a peer's pid (all run in one process here) and only heartbeats
-tell who is gone. Phases, for each N:
+participants). The N participants are threads, spread over simulated hosts: processes of up to
+``--per-host`` (64) participants each, as a cluster's hosts run several workers (8 at N=512; 1 at N<=64).
+Each thread has its own TCPStore client connection wrapped in a counting `torch.distributed.Store`
+(`CountingStore`: ops, keys read, bytes read); the heartbeat thread of each `Rendezvous` clones that
+wrapper (``self._base.clone()``), so its traffic is counted too. Liveness is judged as across hosts: each
+host process replaces ``elastic.recovery.rendezvous.process_space`` by one that returns ``""``, so no
+participant learns a peer's pid and only heartbeats tell who is gone. Phases, for each N:
 
 - formation: all N call `join()` at once (``min_workers=1, first_workers=N, max_workers=N``: the first
-  round closes as soon as all N are ready, no last call); seconds until every one holds generation 0;
+  round closes once all N are ready and its quiet last call passed); seconds until every one holds
+  generation 0;
 - steady state: 1 s to settle, then a 3 s window (``--steady``) in which all train and nothing happens:
   store ops/s and keys read/s over all participants' clients;
 - regroup: participant N//2 (never rank 0) stops beating (its `close()` stops its heartbeat thread); the
-  others run a stand-in training loop: every 20 ms (a short step; at 5 ms the driver alone
-  competed for the GIL at N=512) a driver thread calls each one's `progress()` and checks
-  its `pending()`; as `world.check()` exchanges the flags (one all-reduce), every survivor calls `join()`
-  once any survivor's `pending()` turned True (``--no-exchange``: each on its own `pending()`). The
-  protocol before issue 22 needed a stand-in for `elastic.run`'s watch too (its `pending()` did not turn
-  True when a member just stopped beating): ``--watchers K`` survivors spread over the ranks also ask,
-  every 0.1 s, `expired(max(2*expiry, 1 s))` (no store read) and, when a member is gone, `announce()`
-  and join (the collective that would fail; expired() was O(N): on every survivor it alone would take a
-  core here at N=512); ``--watchers 0`` (the new protocol's monitor raises `pending()` itself).
-  Seconds from the `close()` until every survivor holds one generation of exactly the N-1 survivors, and
-  the ops and bytes read over that window, per survivor (the mean and the max).
+  others run a stand-in training loop: every 20 ms (a short step) each host's driver thread calls its
+  participants' `progress()` and checks their `pending()`; as `world.check()` exchanges the flags (one
+  all-reduce), every survivor on every host calls `join()` once any survivor's `pending()` turned True
+  (the hosts share the flag: one integer in shared memory). Seconds from the `close()` until every
+  survivor holds one generation of exactly the N-1 survivors, and the ops and bytes read over that
+  window, per survivor (the mean and the max). The notes give when the first flag was raised
+  (``flagged_s``: the heartbeat expiry plus the monitor's period) and when the survivors' `join()`
+  calls returned (``joined_s``: first..median..last).
 
 Rendezvous parameters: ``timeout=10 s`` (heartbeat period 0.1 s, expiry 0.6 s, grace 3 s, last call 1 s),
 ``join_timeout=600 s``; each phase is capped by ``--deadline`` seconds (default 300): a capped phase is
@@ -51,11 +50,11 @@ Connections are made before the phases (the heartbeat's `clone()` hands out a cl
 advance), 32 at a time, with ``RES_OPTIONS=timeout:1 attempts:1``: torch's TCPStore client looks up the
 host name of every address it connects to, and where reverse DNS is slow (here, for
 ``::ffff:127.0.0.1``) a lookup stalled a connect() 5 s until one failed. The table's notes give the
-CPU the benchmark process and the store process used in the steady and regroup windows (of this
-machine's cores), and ``false_expired``: survivors that, at the end of the steady window, saw a live
-peer's heartbeat stand still for the watch's threshold (the benchmark starved of CPU). The participants'
-process runs with ``sys.setswitchinterval(0.05)`` (``--switch``): a thread waiting for the GIL wakes every
-interval, and ~1000 of them at CPython's default 5 ms spent more time in the kernel than in Python here.
+CPU the host processes and the store process used in the steady and regroup windows (of this machine's
+cores). Each host process runs with ``sys.setswitchinterval(0.05)`` (``--switch``): a thread waiting for
+the GIL wakes every interval, and ~1000 of them in one process at CPython's default 5 ms spent more time
+in the kernel than in Python here. (Before the hosts, all N threads ran in one process: at N=512 its GIL,
+not the protocol, set the regroup's time.)
 
 Counted per call: ``get`` 1 key, ``multi_get``/``check``/``wait`` one per key, ``compare_set`` 1,
 ``add`` of 0 (a read of a counter) 1; ``add`` of anything else (a heartbeat, an event's number) is a
@@ -69,8 +68,10 @@ with it (see the table's notes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
 import resource
@@ -184,12 +185,12 @@ def kills_main(args: argparse.Namespace) -> None:
 
 JOIN_TIMEOUT = timedelta(seconds=600)
 LOOP = 0.02  # the stand-in training loop: progress() and pending() every 20 ms (a short training step)
-WATCH = 0.1  # elastic.run's _Watch.PERIOD
 SETTLE = 1.0
 STACK = 2 << 20  # ~1000 threads: 2 MiB stacks instead of the default 8 MiB
 # A thread waiting for the GIL wakes every switch interval (CPython's default 5 ms): ~1000 threads at 5 ms
 # spent 9.5 min of system time (futex, under gVisor) in a 5.5 min run at N=512 (43 s at 50 ms)
 SWITCH = 0.05
+PER_HOST = 64
 
 
 class Counts:
@@ -396,59 +397,8 @@ class _Participant:
         )
 
 
-class _Phase:
-    """Done when every one of `names` holds one generation of exactly them, newer than `after`."""
-
-    def __init__(self, names: set[str], after: int, parts: list[_Participant]) -> None:
-        self.names = names
-        self.after = after
-        self.parts = [p for p in parts if p.name in names]
-        self.done = threading.Event()
-        self.at = 0.0
-        self.snapshot: dict[str, tuple[int, int, int]] = {}
-        self.triggers: dict[str, int] = {}
-        self.formed: dict[int, int] = {}  # generation -> its size, as the members returned from join()
-
-    def reached(self) -> str:
-        """What the phase reached: the generations formed and who holds the newest."""
-        ms = [
-            p.membership
-            for p in self.parts
-            if p.membership is not None and p.membership.generation > self.after
-        ]
-        if not ms:
-            return f"0/{len(self.parts)} held a generation newer than {self.after}"
-        newest = max(m.generation for m in ms)
-        sizes = [self.formed[g] for g in sorted(self.formed) if g > self.after]
-        held = sum(m.generation == newest for m in ms)
-        behind = len(self.parts) - len(ms)
-        return (
-            f"generations {self.after + 1}..{newest} formed (sizes {min(sizes)}..{max(sizes)}), none of all "
-            f"{len(self.parts)}; the newest held by {held}"
-            + (f", {behind} hold none newer than {self.after}" if behind else "")
-        )
-
-    def check(self) -> None:
-        """Called under the lock after each join: the thread that completes the phase snapshots."""
-        if self.done.is_set():
-            return
-        ms = [p.membership for p in self.parts]
-        if any(m is None or m.generation <= self.after for m in ms):
-            return
-        if len({m.generation for m in ms}) != 1 or set(ms[0].members) != self.names:
-            return
-        self.at = time.monotonic()
-        self.snapshot = {p.name: p.totals() for p in self.parts}
-        self.done.set()
-
-
 def _one(n: int, args: argparse.Namespace) -> None:
     """One N, in this process: formation, steady state, regroup; the result goes to ``args.result``."""
-    import elastic.recovery.rendezvous as rz
-
-    rz.process_space = lambda: ""  # judged as across hosts: no peer's pid, heartbeats alone
-    threading.stack_size(STACK)
-    sys.setswitchinterval(args.switch)
     server, port = _serve_child()
     try:
         result = _phases(n, args, port, server.pid)
@@ -457,7 +407,6 @@ def _one(n: int, args: argparse.Namespace) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        # the heartbeat threads (and joins a deadline left blocked) would report the store's end
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
         server.terminate()
         server.wait(timeout=30)
@@ -474,40 +423,185 @@ def _cpu(pid: int) -> float:
         return float("nan")
 
 
-def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict[str, Any]:
-    def say(text: str) -> None:
-        print(f"[N={n} {time.monotonic() - t_start:7.2f} s] {text}", file=sys.stderr, flush=True)
+def _host(
+    h: int,
+    indices: list[int],
+    n: int,
+    port: int,
+    args: argparse.Namespace,
+    conn: Any,
+    go: Any,
+    leave: Any,
+    flagged_at: Any,
+) -> None:
+    """One simulated host: the participants `indices` as threads, and their stand-in training loop.
 
-    t_start = time.monotonic()
-    with ThreadPoolExecutor(min(n, 32)) as pool:
-        parts = list(pool.map(lambda i: _Participant(i, n, port), range(n)))
-    say(f"{n} participants connected")
+    Talks to the coordinator over `conn`: reports ``("ready",)`` once connected, ``("held", phase, gen,
+    at, totals, triggers)`` each time its participants of `phase`'s names all hold one generation newer
+    than the phase's floor whose members are exactly those names; answers ``("mark",)`` with its totals,
+    ``("phase", k, names, after)`` (the next phase), ``("kill", name)`` (that participant stops beating),
+    ``("act",)`` (the driver's triggers now make participants join) and ``("stop",)``. `go` starts every
+    participant's first join at once; `leave` is the generation every host's members leave (world.check's
+    exchange of the flags across hosts: a shared integer, -1 none)."""
+    import elastic.recovery.rendezvous as rz
+
+    rz.process_space = lambda: ""  # judged as across hosts: no peer's pid, heartbeats alone
+    import logging
+
+    if os.environ.get("RDZV_TRACE"):
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    threading.stack_size(STACK)
+    sys.setswitchinterval(args.switch)
+    send_lock = threading.Lock()
+
+    def send(msg: tuple[Any, ...]) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    with ThreadPoolExecutor(min(len(indices), 32)) as pool:
+        parts = list(pool.map(lambda i: _Participant(i, n, port), indices))
     lock = threading.Lock()
-    go = threading.Event()
-    formation = _Phase({p.name for p in parts}, -1, parts)
-    phase = [formation]
+    state: dict[str, Any] = {"phase": 0, "names": {p.name for p in parts}, "after": -1, "reported": -2}
+    state["names"] = {f"{i}.bench" for i in range(n)}
+    triggers: dict[str, int] = {}
+    local = {p.name: p for p in parts}
+    dead: set[str] = set()
+    times: list[tuple[float, float]] = []
+
+    def held() -> None:  # under the lock, after a join returned
+        names, after = state["names"], state["after"]
+        mine = [p for p in parts if p.name in names]
+        ms = [p.membership for p in mine]
+        if any(m is None or m.generation <= after for m in ms):
+            return
+        gens = {m.generation for m in ms}
+        if len(gens) != 1 or (ms and set(ms[0].members) != names):
+            return
+        g = gens.pop() if ms else after + 1
+        if state["reported"] == (state["phase"], g):
+            return
+        state["reported"] = (state["phase"], g)
+        totals = {p.name: p.totals() for p in mine}
+        send(("held", state["phase"], g, time.monotonic(), totals, dict(triggers)))
 
     def life(p: _Participant) -> None:
         go.wait()
         while not p.quit:
             try:
-                if p.trigger == "watch":
-                    p.rdzv.announce()
+                began = time.monotonic()
                 m = p.rdzv.join()
-            except BaseException as exc:  # recorded, reported by the main thread
+                times.append((began, time.monotonic()))
+            except BaseException as exc:  # reported by the coordinator
                 p.error = exc
+                send(("error", p.name, repr(exc)))
                 return
             with lock:
                 p.membership = m
                 p.busy = False
-                phase[0].formed[m.generation] = m.size if m is not None else 0
-                phase[0].check()
+                held()
             p.wake.wait()
             p.wake.clear()
+
+    acting = threading.Event()
+    stop = threading.Event()
+    seen_pending: set[str] = set()
+
+    def drive() -> None:
+        while not stop.is_set():
+            live = [p for p in parts if p.name not in dead]
+            flagged = set()
+            for p in live:
+                if p.busy:
+                    continue
+                p.rdzv.progress()
+                if p.rdzv.pending():
+                    flagged.add(p.rdzv.generation)
+                    if not acting.is_set():
+                        seen_pending.add(p.name)
+            if acting.is_set():
+                for g in flagged:  # this host's flag, exchanged with every host's (world.check())
+                    with leave.get_lock():
+                        if g > leave.value:
+                            leave.value = g
+                            flagged_at.value = time.monotonic()
+                g = leave.value
+                for p in live:
+                    if p.busy or p.rdzv.generation != g or g < 0:
+                        continue
+                    trigger = "pending" if g in flagged and p.rdzv.pending() else "check"
+                    p.busy, p.trigger = True, trigger
+                    triggers[trigger] = triggers.get(trigger, 0) + 1
+                    p.wake.set()
+            time.sleep(LOOP)
 
     threads = [threading.Thread(target=life, args=(p,), daemon=True, name=p.name) for p in parts]
     for t in threads:
         t.start()
+    threading.Thread(target=drive, daemon=True, name="driver").start()
+    send(("ready",))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "mark":
+            send(("totals", time.monotonic(), {p.name: p.totals() for p in parts}, len(seen_pending)))
+        elif msg[0] == "phase":
+            with lock:
+                state["phase"], state["names"], state["after"] = msg[1], set(msg[2]), msg[3]
+                triggers.clear()
+        elif msg[0] == "kill":
+            victim = local[msg[1]]
+            dead.add(victim.name)
+            at = time.monotonic()
+            victim.rdzv.close()
+            send(("killed", at))
+        elif msg[0] == "act":
+            times.clear()
+            acting.set()
+        elif msg[0] == "times":
+            send(("times", list(times)))
+        elif msg[0] == "stop":
+            stop.set()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the heartbeats would report the store's end
+            os._exit(0)
+
+
+def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict[str, Any]:
+    def say(text: str) -> None:
+        print(f"[N={n} {time.monotonic() - t_start:7.2f} s] {text}", file=sys.stderr, flush=True)
+
+    t_start = time.monotonic()
+    ctx = mp.get_context("spawn")
+    per_host = max(1, args.per_host)
+    hosts = [list(range(k, min(n, k + per_host))) for k in range(0, n, per_host)]
+    go, leave, flagged_at = ctx.Event(), ctx.Value("i", -1), ctx.Value("d", 0.0)
+    conns, procs = [], []
+    for h, indices in enumerate(hosts):
+        parent, child = ctx.Pipe()
+        shared = (go, leave, flagged_at)
+        proc = ctx.Process(target=_host, args=(h, indices, n, port, args, child, *shared), daemon=True)
+        proc.start()
+        conns.append(parent)
+        procs.append(proc)
+    errors: list[str] = []
+
+    def recv(c: Any, kind: str, deadline: float) -> tuple[Any, ...] | None:
+        """The next message `kind` from host `c` (errors noted), or None at the deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not c.poll(left):
+                return None
+            msg = c.recv()
+            if msg[0] == "error":
+                errors.append(f"{msg[1]}: {msg[2]}")
+            elif msg[0] == kind:
+                return msg
+
+    far = time.monotonic() + args.deadline
+    for c in conns:
+        if recv(c, "ready", far) is None:
+            raise SystemExit(f"N={n}: a host did not connect its participants within {args.deadline:g} s")
+    say(f"{n} participants connected, {len(hosts)} host process(es) of up to {per_host}")
     out: dict[str, Any] = dict.fromkeys(
         (
             "formation_s",
@@ -520,127 +614,136 @@ def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict
             "steady_keys_per_s",
         )
     )
-    info: dict[str, Any] = {}
-    t0 = time.monotonic()
-    go.set()
-    if not formation.done.wait(args.deadline):
-        out["incomplete"] = f"formation: at the {args.deadline:g} s deadline, {formation.reached()}"
-        errors = [repr(p.error) for p in parts if p.error is not None]
-        if errors:
-            out["incomplete"] += f"; {len(errors)} join() raised, the first: {errors[0]}"
-        say(out["incomplete"])
-        return out | {"_info": info}
-    out["formation_s"] = formation.at - t0
-    say(f"formation {out['formation_s']:.3f} s")
-
-    # the stand-in training loop of every participant, in one driver thread
-    acting = threading.Event()  # after the kill: triggers make participants join
-    stop = threading.Event()
-    victim = parts[n // 2] if n > 1 else None
-    survivors = [p for p in parts if p is not victim]
-    stale = max(2 * parts[0].rdzv.expiry, 1.0)
-    # the watch (a stand-in for elastic.run's): `args.watchers` survivors, spread over the ranks, ask
-    # expired(); the first one that sees the victim gone announces, and the others learn it from
-    # pending(), as gloo's failed collectives would tell them. expired() costs O(N) (0.2 ms at N=512):
-    # on every survivor, every 0.1 s, it alone would take a core of this machine at 512
-    step = max(1, len(survivors) // args.watchers) if args.watchers else 0
-    watchers = {p.name for p in survivors[::step][: args.watchers]} if step else set()
-    seen_pending: set[str] = set()
+    info: dict[str, Any] = {"hosts": len(hosts)}
+    pids = [store_pid, *(p.pid for p in procs)]
 
     def windows() -> tuple[float, float, float]:
-        return time.monotonic(), time.process_time(), _cpu(store_pid)
+        return time.monotonic(), sum(_cpu(pid) for pid in pids[1:]), _cpu(store_pid)
 
     def load(a: tuple[float, float, float], b: tuple[float, float, float]) -> str:
         wall = b[0] - a[0]
         return f"bench {(b[1] - a[1]) / wall:.2f} + store {(b[2] - a[2]) / wall:.2f} cores"
 
-    def drive() -> None:
-        last_watch = time.monotonic()
-        while not stop.is_set():
-            now = time.monotonic()
-            watching = bool(watchers) and acting.is_set() and now - last_watch >= WATCH
-            if watching:
-                last_watch = now
-            triggers: dict[str, str] = {}
-            for p in active[0]:
-                if p.busy:
-                    continue
-                p.rdzv.progress()
-                if p.rdzv.pending():
-                    triggers[p.name] = "pending"
-                elif watching and p.name in watchers and p.rdzv.expired(stale):
-                    triggers[p.name] = "watch"
-            if triggers and args.exchange:  # world.check(): the members of a generation exchange their
-                # flags, and all of them leave at the same call
-                by_name = {p.name: p for p in active[0]}
-                leaving = {by_name[name].rdzv.generation for name in triggers}
-                triggers = {
-                    p.name: triggers.get(p.name, "check")
-                    for p in active[0]
-                    if not p.busy and p.rdzv.generation in leaving
-                }
-            for p in active[0]:
-                trigger = triggers.get(p.name, "")
-                if p.busy or not trigger:
-                    continue
-                if not acting.is_set():
-                    seen_pending.add(p.name)
-                    continue
-                p.busy, p.trigger = True, trigger
-                phase[0].triggers[trigger] = phase[0].triggers.get(trigger, 0) + 1
-                p.wake.set()
-            time.sleep(LOOP)
+    def await_phase(k: int, deadline: float) -> tuple[float, dict[str, tuple[int, int, int]], dict[str, int]]:
+        """Every host's report for phase k at one generation: (the last one's time, totals, triggers)."""
+        latest: dict[int, tuple[Any, ...]] = {}
+        while True:
+            gens = {m[2] for m in latest.values()}
+            if len(latest) == len(conns) and len(gens) == 1:
+                break
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(conns, timeout=max(left, 0)) if left > 0 else []
+            if not ready:
+                raise TimeoutError
+            for c in ready:
+                msg = c.recv()
+                if msg[0] == "error":
+                    errors.append(f"{msg[1]}: {msg[2]}")
+                elif msg[0] == "held" and msg[1] == k:
+                    h = conns.index(c)
+                    if h not in latest or msg[2] >= latest[h][2]:
+                        latest[h] = msg
+        totals: dict[str, tuple[int, int, int]] = {}
+        trig: dict[str, int] = {}
+        for m in latest.values():
+            totals.update(m[4])
+            for key, v in m[5].items():
+                trig[key] = trig.get(key, 0) + v
+        return max(m[3] for m in latest.values()), totals, trig
 
-    active = [parts]  # the victim trains too until it stops beating
-    driver = threading.Thread(target=drive, daemon=True, name="driver")
-    driver.start()
-    time.sleep(SETTLE)
-    s0, c0 = [p.totals() for p in parts], windows()
-    time.sleep(args.steady)
-    s1, c1 = [p.totals() for p in parts], windows()
-    w0, w1 = c0[0], c1[0]
-    info["cpu_steady"] = load(c0, c1)
-    out["steady_ops_per_s"] = sum(b[0] - a[0] for a, b in zip(s0, s1)) / (w1 - w0)
-    out["steady_keys_per_s"] = sum(b[1] - a[1] for a, b in zip(s0, s1)) / (w1 - w0)
-    info["false_expired"] = sum(1 for p in survivors if p.rdzv.expired(stale))
-    info["steady_pending"] = len(seen_pending)
-    say(f"steady {out['steady_ops_per_s']:.0f} ops/s, {out['steady_keys_per_s']:.0f} keys/s")
-    if victim is None:
-        stop.set()
+    def mark() -> tuple[dict[str, tuple[int, int, int]], int]:
+        totals: dict[str, tuple[int, int, int]] = {}
+        pend = 0
+        for c in conns:
+            c.send(("mark",))
+        for c in conns:
+            msg = recv(c, "totals", time.monotonic() + 30)
+            assert msg is not None
+            totals.update(msg[2])
+            pend += msg[3]
+        return totals, pend
+
+    try:
+        t0 = time.monotonic()
+        go.set()
+        try:
+            at, _, _ = await_phase(0, t0 + args.deadline)
+        except TimeoutError:
+            out["incomplete"] = f"formation: not every host held generation 0 of all {n} at the deadline"
+            if errors:
+                out["incomplete"] += f"; {len(errors)} join() raised, the first: {errors[0]}"
+            say(out["incomplete"])
+            return out | {"_info": info}
+        out["formation_s"] = at - t0
+        say(f"formation {out['formation_s']:.3f} s")
+
+        time.sleep(SETTLE)
+        c0 = windows()
+        s0, _ = mark()
+        time.sleep(args.steady)
+        c1 = windows()
+        s1, steady_pending = mark()
+        info["cpu_steady"] = load(c0, c1)
+        out["steady_ops_per_s"] = sum(s1[k][0] - s0[k][0] for k in s0) / (c1[0] - c0[0])
+        out["steady_keys_per_s"] = sum(s1[k][1] - s0[k][1] for k in s0) / (c1[0] - c0[0])
+        info["steady_pending"] = steady_pending
+        say(f"steady {out['steady_ops_per_s']:.0f} ops/s, {out['steady_keys_per_s']:.0f} keys/s")
+        if n == 1:
+            return out | {"_info": info}
+
+        victim = n // 2
+        vname = f"{victim}.bench"
+        survivors = sorted(f"{i}.bench" for i in range(n) if i != victim)
+        for c in conns:
+            c.send(("phase", 1, survivors, 0))
+        before, _ = mark()
+        host = next(h for h, indices in enumerate(hosts) if victim in indices)
+        c0 = windows()
+        conns[host].send(("kill", vname))
+        killed = recv(conns[host], "killed", time.monotonic() + 30)
+        assert killed is not None
+        t0 = killed[1]
+        print(f"T0 {t0:.4f}", file=sys.stderr, flush=True)
+        for c in conns:
+            c.send(("act",))
+        try:
+            at, after, trig = await_phase(1, t0 + args.deadline)
+            out["regroup_s"] = at - t0
+            info["flagged_s"] = round(flagged_at.value - t0, 3)
+            info["generation"] = leave.value + 1
+            say(f"regroup {out['regroup_s']:.3f} s (the first flag after {info['flagged_s']:.3f} s)")
+        except TimeoutError:
+            after, _ = mark()
+            trig = {}
+            out["incomplete"] = f"regroup: not every host held one generation of the {n - 1} at the deadline"
+            say(out["incomplete"])
+        info["cpu_regroup"] = load(c0, windows())
+        ends = []
+        for c in conns:
+            c.send(("times",))
+            msg = recv(c, "times", time.monotonic() + 30)
+            ends += [e - t0 for _, e in (msg[1] if msg is not None else [])]
+        if ends:  # when the survivors' join() calls returned: the decision, then the waiters waking
+            ends.sort()
+            info["joined_s"] = f"{ends[0]:.3f}..{ends[len(ends) // 2]:.3f}..{ends[-1]:.3f}"
+        ops = [after[k][0] - before[k][0] for k in survivors]
+        nbytes = [after[k][2] - before[k][2] for k in survivors]
+        out["ops_per_participant"] = sum(ops) / len(ops)
+        out["bytes_per_participant"] = sum(nbytes) / len(nbytes)
+        out["ops_max"] = max(ops)
+        out["bytes_max"] = max(nbytes)
+        info["triggers"] = trig
+        if errors:
+            info["errors"] = f"{len(errors)}, the first: {errors[0]}"
         return out | {"_info": info}
-
-    regroup = _Phase({p.name for p in survivors}, 0, parts)
-    with lock:
-        phase[0] = regroup
-    survivors_before = {p.name: p.totals() for p in survivors}
-    active[0] = survivors
-    c0 = windows()
-    t0 = c0[0]
-    victim.rdzv.close()
-    acting.set()
-    if regroup.done.wait(args.deadline):
-        out["regroup_s"] = regroup.at - t0
-        after = regroup.snapshot
-        say(f"regroup {out['regroup_s']:.3f} s")
-    else:
-        after = {p.name: p.totals() for p in survivors}
-        out["incomplete"] = (
-            f"regroup: at the {args.deadline:g} s deadline, {regroup.reached()} (ops and bytes: up to the "
-            f"deadline)"
-        )
-        say(out["incomplete"])
-    info["cpu_regroup"] = load(c0, windows())
-    stop.set()
-    ops = [after[k][0] - survivors_before[k][0] for k in after]
-    nbytes = [after[k][2] - survivors_before[k][2] for k in after]
-    out["ops_per_participant"] = sum(ops) / len(ops)
-    out["bytes_per_participant"] = sum(nbytes) / len(nbytes)
-    out["ops_max"] = max(ops)
-    out["bytes_max"] = max(nbytes)
-    info["triggers"] = dict(regroup.triggers)
-    gens = {p.membership.generation for p in survivors if p.membership is not None}
-    info["generation"] = max(gens) if gens else None
-    return out | {"_info": info}
+    finally:
+        for c in conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                c.send(("stop",))
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _ratio(value: float | None, target: float) -> str:
@@ -669,7 +772,7 @@ def _table(
         "heartbeat only, as across hosts)",
         f"timeout=10 s (period 0.1 s, expiry 0.6 s, grace 3 s), join_timeout=600 s, min_workers=1, "
         f"first_workers=max_workers=N; victim: participant N//2 (close()); loop {LOOP * 1000:g} ms; "
-        f"watch: {args.watchers} survivors every 0.1 s, expired(max(2*expiry, 1 s)) -> announce()+join(); "
+        f"{args.per_host} participants per host process; "
         f"steady: {SETTLE:g} s settle + {args.steady:g} s window; deadline {args.deadline:g} s a phase; "
         f"switch interval {args.switch * 1000:g} ms; connections made before the phases",
         "",
@@ -696,10 +799,9 @@ def _table(
         "",
         f"targets: ops x, bytes x = per-participant ops, bytes of the regroup / those at N={ns[0]} (<= 2); "
         "keys/20N = steady keys read/s / (20*N) (<= 1); rg/1s = regroup_s / 1 s (<= 1 at N=512)",
-        "triggers: what made the survivors join (pending(): the store said so; watch: expired() saw the "
-        "victim's heartbeat stand still, the survivor announced; check: another survivor's flag, exchanged "
-        "as world.check() does); a capped phase (>deadline): ops and bytes over the deadline's window, not "
-        "a regroup's",
+        "triggers: what made the survivors join (pending: its own pending() said so; check: another "
+        "survivor's flag, exchanged as world.check() does); a capped phase (>deadline): ops and bytes over "
+        "the deadline's window, not a regroup's",
     ]
     for k in ns:
         notes = [f"{key}={value}" for key, value in info[k].items() if key not in ("run_s", "triggers")]
@@ -726,8 +828,7 @@ def scale_main(args: argparse.Namespace) -> None:
         with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), "--result", f.name]
             cmd += ["--steady", str(args.steady), "--deadline", str(args.deadline)]
-            cmd += ["--watchers", str(args.watchers)]
-            cmd += ["--switch", str(args.switch)]
+            cmd += ["--switch", str(args.switch), "--per-host", str(args.per_host)]
             began = time.monotonic()
             rc = subprocess.run(cmd, check=False, env=_env()).returncode
             text = f.read()
@@ -761,17 +862,13 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=3.0, help="seconds of the steady-state window")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds a phase may take at most")
     parser.add_argument(
-        "--watchers", type=int, default=0, help="survivors watching expired() (0: pending() alone)"
-    )
-    parser.add_argument(
-        "--no-exchange",
-        dest="exchange",
-        action="store_false",
-        help="each survivor joins on its own pending() (default: as world.check() exchanges the flags, "
-        "every survivor joins once any survivor's pending() or watch says so)",
-    )
-    parser.add_argument(
         "--switch", type=float, default=SWITCH, help="the participants' process's sys.setswitchinterval"
+    )
+    parser.add_argument(
+        "--per-host",
+        type=int,
+        default=PER_HOST,
+        help="participants per simulated host: a process of its own, its participants threads in it",
     )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -316,6 +316,7 @@ def _fitted(ordered: list[str], fit: Callable[[int], int] | None) -> list[str]:
     return ordered[: max(1, min(len(ordered), fit(len(ordered))))]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def order_of(p: str) -> int | None:
     """The stable order a participant id carries (``"<n>.<rest>"``: its launcher slot or rank), or None."""
     head, dot, _ = p.partition(".")
@@ -651,6 +652,20 @@ def read_events(
         left.append(i)
         todo = todo[1:]
     return tuple(tokens), read, tuple(left), 0
+
+
+def read_present(store: Ops, keys: Sequence[str]) -> list[bytes | None]:
+    """The values of `keys`, None for those missing, without blocking on them (``multi_get`` would): one
+    ``check`` and one ``multi_get`` when all exist, else the same for each half (m missing of n keys:
+    about m log n operations, not n)."""
+    if not keys:
+        return []
+    if store.check(list(keys)):
+        return list(store.multi_get(list(keys)))
+    if len(keys) == 1:
+        return [None]
+    half = len(keys) // 2
+    return read_present(store, keys[:half]) + read_present(store, keys[half:])
 
 
 def written_prefix(store: Ops, n: int, numbers: Sequence[int]) -> int:
@@ -1045,10 +1060,7 @@ class Rendezvous:
         progress)."""
         members = self._members
         with contextlib.suppress(*_STORE_ERRORS):
-            pending = self._refresh(self._main())
-            if pending is not None:
-                with self._lock:
-                    self._pending = pending or self._stale
+            self._refresh(self._main())
         gone = set(self.expired())
         fresh = {p for p in members if p != self.participant and p not in gone}
         if self.participant in members and self._making_progress(time.monotonic()):
@@ -1274,12 +1286,11 @@ class Rendezvous:
         # life; the others (never beaten here: dead before a restart, or not yet back) one by one
         known = [p for p in names if p in self._known]
         values = dict(zip(known, ops.multi_get([hb_key(p) for p in known]))) if known else {}
-        for p in names:
-            if p not in self._known:
-                raw = peek(ops, hb_key(p))
-                if raw is not None:
-                    self._known.add(p)
-                    values[p] = raw
+        unknown = [p for p in names if p not in self._known]
+        for p, raw in zip(unknown, read_present(ops, [hb_key(p) for p in unknown])):
+            if raw is not None:
+                self._known.add(p)
+                values[p] = raw
         now = time.monotonic()
         with self._lock:
             self._observed_at = now
@@ -1440,22 +1451,25 @@ class Rendezvous:
             monitor = bool(self._members) and self._members[0] == self.participant
         if not monitor and self._beats % FOLLOW_EVERY:
             return  # the others read the monitor's summary every FOLLOW_EVERY periods
-        pending = self._refresh(ops, write=True)
-        if pending is not None:
-            with self._lock:
-                self._pending = pending or self._stale
+        self._refresh(ops, write=True)
 
-    def _refresh(self, ops: Ops, *, write: bool = False) -> bool | None:
+    def _refresh(self, ops: Ops, *, write: bool = False) -> None:
         """Read what liveness and `pending` need this period: the monitor (rank 0) every member's counter,
         the next round's new events and whether it is decided, then writes its summary (`write`); every
-        other member the summary alone. Whether the generation must end (None: no generation)."""
+        other member the summary alone. Then `pending()` says whether the generation must end, unless a
+        join made this participant a member of a newer generation meanwhile: what was read is about the
+        old one (which is over), and a new generation starts with nothing pending."""
         with self._lock:
             g, members = self._generation, self._members
         if g < 0 or not members:
-            return None
+            return
         if members[0] == self.participant:
-            return self._monitor(ops, g, members, write)
-        return self._follow(ops, g, members)
+            pending = self._monitor(ops, g, members, write)
+        else:
+            pending = self._follow(ops, g, members)
+        with self._lock:
+            if self._generation == g:
+                self._pending = pending or self._stale
 
     def _monitor(self, ops: Ops, g: int, members: tuple[str, ...], write: bool) -> bool:
         others = [p for p in members if p != self.participant]
@@ -1488,6 +1502,11 @@ class Rendezvous:
     def _follow(self, ops: Ops, g: int, members: tuple[str, ...]) -> bool:
         monitor = members[0]
         raw = peek(ops, summary_key(g))
+        if raw is None:
+            # no summary yet: the monitor has not started on this generation (its join may return last of
+            # all, a regroup's herd later): judge it by its own heartbeat counter meanwhile, the value
+            # the summary carries, or a slow start would look like a dead monitor
+            self._observe(ops, [monitor])
         now = time.monotonic()
         pending = False
         ages: dict[str, float] = {}
@@ -1499,8 +1518,6 @@ class Rendezvous:
                 for item in listed.split("|") if listed else ():
                     p, _, ms = item.rpartition(":")
                     ages[p] = int(ms) / 1000
-            elif monitor not in self._seen:
-                self._note(monitor, -1, now)
             self._observed_at = now
             self._ages = ages
         self._locate(ops, [monitor])
