@@ -658,8 +658,8 @@ def read_present(store: Ops, keys: Sequence[str]) -> list[bytes | None]:
     """The values of `keys`, None for those missing, without blocking on them (``multi_get`` would): one
     ``check`` and one ``multi_get`` when all exist, else the same for each half (m missing of n keys:
     about m log n operations, not n)."""
-    if not keys:
-        return []
+    if len(keys) <= 2:  # as many operations either way
+        return [peek(store, k) for k in keys]
     if store.check(list(keys)):
         return list(store.multi_get(list(keys)))
     if len(keys) == 1:
