@@ -348,7 +348,8 @@ def pending_from(
     ev = parse_log(events) if isinstance(events, bytes) else events
     if ev.decision is not None or ev.finished:
         return True
-    if any(p in ev.left or p in ev.announced or p in ev.joined for p in members):
+    joined = set(ev.joined)
+    if any(p in ev.left or p in ev.announced or p in joined for p in members):
         return True
     if not ev.joined or len(members) >= max_workers:
         return False
@@ -364,8 +365,9 @@ def digest(members: tuple[str, ...]) -> str:
 
 def encode_decision(leader: str, members: tuple[str, ...], prev: tuple[str, ...]) -> str:
     """``d/<n>``'s value: generation n as a change of generation n-1 (`prev`) by `leader`."""
-    removed = "|".join(p for p in prev if p not in members)
-    added = "|".join(p for p in members if p not in prev)
+    chosen, before = set(members), set(prev)
+    removed = "|".join(p for p in prev if p not in chosen)
+    added = "|".join(p for p in members if p not in before)
     return f"{leader};{removed};{added};{digest(members)}"
 
 
@@ -379,7 +381,9 @@ def decode_decision(
         return leader, None
     gone = set(removed.split("|")) if removed else set()
     chosen = [p for p in prev if p not in gone] + (added.split("|") if added else [])
-    members = _ranks(chosen, prev, fit)
+    # only members gone: the rest keep their rank order (`ranked` of a ranked list without some of it is
+    # that list; the digest checks it), with no sort of N ids on each of N members
+    members = tuple(chosen) if fit is None and not added else _ranks(chosen, prev, fit)
     return leader, (members if digest(members) == check else None)
 
 
