@@ -22,7 +22,7 @@ import torch.distributed
 
 import elastic.recovery.rendezvous as rendezvous
 from elastic import ElasticError
-from elastic.recovery.rendezvous import Log, decide, parse_log, pending_from
+from elastic.recovery.rendezvous import Log, decide, parse_log, pending_from, reseed
 from rdzv_model import Config, explore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,10 +109,37 @@ SCENARIOS = {
     ),
     # generation {a,b}, min_workers=2, one crash and one spurious regroup per worker
     "gen2-min2-spurious": Config(names=("a", "b"), initial=("a", "b"), min_workers=2, crashes=1, spurious=1),
+    # generation {a}; the store restarts empty; newcomer b starts after that (it finds the store empty);
+    # a may crash (no split brain: b never trains beside a; b goes on alone once a is dead)
+    "gen1-restart-late-crash": Config(
+        names=("a", "b"), initial=("a",), late=("b",), restarts=1, crashes=1, who_crashes=("a",)
+    ),
+    # the same, with a regrouping once by itself (a join under way when the store restarts)
+    "gen1-restart-late-regroup": Config(
+        names=("a", "b"), initial=("a",), late=("b",), restarts=1, crashes=0, spurious=1, who_regroups=("a",)
+    ),
+    # generation {a,b}; a and b cannot connect, and the link heals (b waits outside, then rejoins)
+    "gen2-cut-heal": Config(names=("a", "b"), initial=("a", "b"), crashes=0, cut=("a", "b"), cuts=1, heals=1),
+    # generation {a,b}; a and b cannot connect for good, and the store restarts empty (the evidence must
+    # survive it: a goes on alone, b waits outside)
+    "gen2-cut-restart": Config(
+        names=("a", "b"), initial=("a", "b"), crashes=0, cut=("a", "b"), cuts=1, restarts=1
+    ),
 }
 
 
 if os.environ.get("ELASTIC_MODEL_FULL"):
+    # (45 s) generation {a,b}, a regroups once by itself, b may crash, the store restarts once: joins and
+    # re-seeds interleaved, a round decided in the old store and lost with it
+    SCENARIOS["gen2-restart-crash"] = Config(
+        names=("a", "b"),
+        initial=("a", "b"),
+        restarts=1,
+        crashes=1,
+        spurious=1,
+        who_regroups=("a",),
+        who_crashes=("b",),
+    )
     SCENARIOS["gen2-newcomer-crash"] = Config(names=("a", "b", "c"), initial=("a", "b"), crashes=1)
 
 
@@ -139,6 +166,32 @@ def test_model_catches_a_straggler_that_trains_anyway(monkeypatch: pytest.Monkey
     monkeypatch.setattr(rendezvous, "_decided", careless)
     with pytest.raises(AssertionError, match="thinks it is in generation"):
         explore(Config(names=("a", "b", "c"), initial=("a", "b", "c"), crashes=1, suspicions=1))
+
+
+def test_model_catches_a_reseed_that_writes_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the re-seeded decision ``d/<g>``, a newcomer on the restarted store numbers a generation of
+    its own as the members' (two lists for one generation: split brain)."""
+
+    def no_decision(ops: Any, me: str, g: int, members: Any, evidence: str = "", k: int = 0) -> Any:
+        if k == 1:
+            return 2, False
+        return reseed(ops, me, g, members, evidence, k)
+
+    monkeypatch.setattr(rendezvous, "reseed", no_decision)
+    with pytest.raises(AssertionError, match=r"generation 0: \w holds|split brain"):
+        explore(SCENARIOS["gen1-restart-late-crash"])
+
+
+def test_model_catches_evidence_lost_with_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the evidence posted again at the re-seed, the round in the restarted store waits for the
+    side left out, which waits outside for the link: no way to quiescence (a wait until join_timeout)."""
+
+    def forgetful(ops: Any, me: str, g: int, members: Any, evidence: str = "", k: int = 0) -> Any:
+        return reseed(ops, me, g, members, "", k)
+
+    monkeypatch.setattr(rendezvous, "reseed", forgetful)
+    with pytest.raises(AssertionError, match="cannot reach quiescence"):
+        explore(SCENARIOS["gen2-cut-restart"])
 
 
 @pytest.mark.skipif(shutil.which("spin") is None or shutil.which("gcc") is None, reason="spin or gcc missing")

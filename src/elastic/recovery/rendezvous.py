@@ -57,6 +57,7 @@ __all__ = [
     "parse_log",
     "pending_from",
     "read_round",
+    "reseed",
     "start",
     "step",
 ]
@@ -225,8 +226,6 @@ def parse_events(tokens: Iterable[str]) -> Log:
             decision = tuple(name.split("|"))
         elif kind == "!":
             finished = True
-        elif kind == "x" and len(pair := frozenset(name.split("|"))) == 2:
-            unreachable.add(pair)  # xa|b: a cannot connect to b
     return Log(
         joined=tuple(p for p in joined if p not in left),
         announced=frozenset(announced),
@@ -631,6 +630,39 @@ def _read_decision(j: Joiner, raw: bytes, fit: Callable[[int], int] | None) -> J
     return _decided(attrs.evolve(j, leader=leader), members)
 
 
+def reseed(
+    ops: Ops, me: str, g: int, members: tuple[str, ...], evidence: str = "", k: int = 0
+) -> tuple[int | None, bool]:
+    """Operation `k` of `me`'s re-seed of a store restarted empty, as a member of generation `g` with
+    `members`, that reported `evidence` (``xa|b,`` tokens) to round g+1: its list ``m/<g>/<me>`` (k=0);
+    the decision ``d/<g>`` unless one is there (1: stale when another list got there first); ``next``
+    raised to g (2); the evidence posted again (3, 4, ...: the pairs died with the store, and the round
+    after g would wait for the side they leave out). One store operation a call, as `step`, so that the
+    exhaustive test interleaves them with the others' (tests/rdzv_model.py).
+
+    Returns:
+        (the next k, None when the re-seed is done; whether generation g was re-decided without this
+        participant's list, which makes it stale: end it at the next check).
+    """
+    tokens = [t for t in evidence.split(",") if t]
+    if k == 0:
+        ops.set(members_key(g, me), "|".join(members))
+        return 1, False
+    if k == 1:
+        token = f"{me};*;*;{digest(members)}"
+        won = ops.compare_set(decision_key(g), "", token)
+        if won.decode() == token or won == b"!":
+            return 2, False
+        leader, _ = decode_decision(won, None, None)
+        theirs = peek(ops, members_key(g, leader))
+        return 2, theirs is not None and tuple(theirs.decode().split("|")) != members
+    if k == 2:
+        raise_to(ops, NEXT, g)
+        return (3 if tokens else None), False
+    add_event(ops, g + 1, tokens[k - 3])
+    return (k + 1 if k - 2 < len(tokens) else None), False
+
+
 def read_events(
     store: Ops, n: int, read: int = 0, holes: tuple[int, ...] = (), blocked: int = 0
 ) -> tuple[tuple[str, ...], int, tuple[int, ...], int]:
@@ -899,6 +931,8 @@ class Rendezvous:
         self._epoch = ""  # the store's life this participant knows (`EPOCH`)
         self._seeded = ""  # the store life this participant re-seeded
         self._replaced = 0  # how many times the store was found restarted
+        self._reseeded = threading.Event()  # clear while a re-seed of a restarted store is under way
+        self._reseeded.set()
         self._counter = 0  # this participant's heartbeat counter, as the store last returned it
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
         self._beats = 0
@@ -988,12 +1022,18 @@ class Rendezvous:
             self.progress()
             before = j
             try:
-                j = self._retry(functools.partial(self._step, j, propose, gone, wait), join=True)
+                j = self._retry(functools.partial(self._step, j, propose, gone, wait), join=replaced)
             except _Replaced:
-                j = start(self.participant, self._generation, self._members)
+                # the store restarted empty (found by this thread or the heartbeat's): what this join did
+                # was in the old store; start again, in the new one, without running a step of the old
+                # join there (a leader's commit would write an old judgement into the new store), once
+                # the re-seed is done (this participant's re-posted evidence comes before its join)
+                self._reseeded.wait(self.timeout)
                 self._enter()
+                replaced = self._replaced
+                j = start(self.participant, self._generation, self._members)
                 continue
-            if self._replaced != replaced:  # the heartbeat thread found the store restarted
+            if self._replaced != replaced:  # the heartbeat thread found the store restarted meanwhile
                 replaced = self._replaced
                 j = start(self.participant, self._generation, self._members)
                 continue
@@ -1210,34 +1250,32 @@ class Rendezvous:
                 return
             self._seeded = epoch
             self._epoch = epoch
+            self._reseeded.clear()
             self._replaced += 1
             self._renew_main = True
             self._restarted_at = time.monotonic()
             self._known = set()
             g, members = self._generation, self._members
-        ops.add(hb_key(self.participant), 1)
-        if self._space:
-            ops.set(where_key(self.participant), f"{self._space}|{os.getpid()}")
-        if g < 0:
-            return
-        ops.set(members_key(g, self.participant), "|".join(members))
-        token = f"{self.participant};*;*;{digest(members)}"
-        won = ops.compare_set(decision_key(g), "", token)
-        if won.decode() != token and won != b"!":
-            leader, _ = decode_decision(won, None, None)
-            theirs = peek(ops, members_key(g, leader))
-            if theirs is not None and tuple(theirs.decode().split("|")) != members:
-                # another generation g was decided there first (this one's members were too slow to
-                # re-seed): this generation is stale, end it at the next check
-                log.warning("rendezvous: %s: generation %d was re-decided without it", self.participant, g)
-                self._stale = self._pending = True
-        raise_to(ops, NEXT, g)
-        generation, tokens = self._evidence
-        if generation == g:  # the pairs this participant reported: the round after g needs them again
-            for token in tokens.split(","):
-                if token:
-                    add_event(ops, g + 1, token)
-        self._cursor = _Cursor()
+        try:
+            ops.add(hb_key(self.participant), 1)
+            if self._space:
+                ops.set(where_key(self.participant), f"{self._space}|{os.getpid()}")
+            if g < 0:
+                return
+            generation, tokens = self._evidence  # the pairs this participant reported after generation g
+            k: int | None = 0
+            while k is not None:
+                k, stale = reseed(ops, self.participant, g, members, tokens if generation == g else "", k)
+                if stale:
+                    # another generation g was decided there first (this one's members were too slow to
+                    # re-seed): this generation is stale, end it at the next check
+                    log.warning(
+                        "rendezvous: %s: generation %d was re-decided without it", self.participant, g
+                    )
+                    self._stale = self._pending = True
+            self._cursor = _Cursor()
+        finally:
+            self._reseeded.set()
 
     def _write(self, event: str, what: str) -> None:
         """Append `event` to the next round's events (this participant's generation is over for it)."""
@@ -1384,11 +1422,15 @@ class Rendezvous:
         )
         return ElasticError(msg)
 
-    def _retry(self, op: Callable[[], T], *, join: bool = False) -> T:
+    def _retry(self, op: Callable[[], T], *, join: int | None = None) -> T:
         """`op()`, retried while the store is unreachable, for at most `timeout`; the connection is
-        renewed after a failure. `join`: raise `_Replaced` when the store turns out to have restarted."""
+        renewed after a failure. `join`: the store restarts a join has seen (`_replaced` when it began):
+        raise `_Replaced` instead of running `op` again once the store turns out to have restarted since,
+        whichever thread found it (the heartbeat thread may have re-seeded it already)."""
         down_since: float | None = None
         while True:
+            if join is not None and self._replaced != join:
+                raise _Replaced
             try:
                 return op()
             except _STORE_ERRORS as exc:
@@ -1403,12 +1445,8 @@ class Rendezvous:
                     raise ElasticError(msg) from exc
                 time.sleep(min(self.period, 0.05))
                 if self._link.renew():
-                    try:
-                        replaced = self._reconnected(self._link)
-                    except _STORE_ERRORS:
-                        continue
-                    if replaced and join:
-                        raise _Replaced from exc
+                    with contextlib.suppress(*_STORE_ERRORS):
+                        self._reconnected(self._link)
 
     def _start_thread(self) -> None:
         if self._thread is not None:
@@ -1417,7 +1455,9 @@ class Rendezvous:
             try:
                 self._beat_link = _Link(self._connect(), self._prefix, self._connect)
             except (*_STORE_ERRORS, ElasticError, AttributeError):
-                self._beat_link = self._link
+                # the run loop's client, shared, behind a link of its own: when the heartbeat thread renews
+                # it, the run loop's stays broken until its own retry finds the restart (`_retry`)
+                self._beat_link = _Link(self._link.base, self._prefix, self._connect)
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._beat_loop, name=f"elastic-heartbeat-{self.participant}", daemon=True
