@@ -81,7 +81,8 @@
  *   - an orphan round waits for the re-seed even with max_workers joined. -DAS_CODED -DFULL_SHORTCUT drops
  *     it: spares on the empty store close round 0 at once, pass the guard before the members raise next,
  *     and train generation 0 beside the old generation for good.
- * Three are not in the code; the model has them, and -DAS_CODED removes all three:
+ * Three more were found by this model and are in the code since c02c178; -DAS_CODED removes all three
+ * (the code as it was at 72543de):
  *   - THE SETTLE FIX (-DNO_SETTLE_FIX): every judgement in a restarted store waits for the members'
  *     re-seed (the quiet wait, counted from the moment the participant learnt of the store's new life),
  *     not only an orphan round's. Without it a generation decided in the old store is decided again, with
@@ -136,7 +137,7 @@
 #ifndef R
 #define R 8            /* rounds 0..R-1; reaching R is an error (enlarge R, or a livelock) */
 #endif
-#ifdef AS_CODED        /* rendezvous.py and links.py as they are (72543de): see the header */
+#ifdef AS_CODED        /* rendezvous.py and links.py as they were at 72543de: see the header */
 #define NO_SETTLE_FIX
 #define NO_REPOST
 #define OUTSIDE_STALE
