@@ -350,9 +350,19 @@ INTERRUPTED = """
 """
 
 
+def _sigint_default() -> None:
+    """In the child, before Python starts: SIGINT as a terminal gives it. A shell's background job (CI
+    started with ``&``) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_workers(script: Path, folder: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script), str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,
     )
     deadline = time.monotonic() + 60
     while len(list(folder.glob("pid-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
