@@ -626,6 +626,72 @@ def test_a_leader_reads_events_once_and_again_only_the_ones_not_yet_written() ->
     assert store.data[rendezvous.NEXT] == b"2"
 
 
+def _rendezvous(name: str) -> rendezvous.Rendezvous:
+    """A participant over an in-process store, its heartbeat thread never started (tests call its
+    pieces directly)."""
+    return rendezvous.Rendezvous(
+        torch.distributed.HashStore(),
+        "unit",
+        name,
+        join_timeout=timedelta(seconds=5),
+        timeout=timedelta(seconds=5),
+        period=timedelta(seconds=0.1),
+    )
+
+
+def test_the_monitor_reads_again_just_after_a_member_reaches_its_expiry() -> None:
+    """A member's counter about to stand still for `expiry`: the monitor's next beat comes just after
+    that moment, not up to a period later; otherwise (a follower, every member fresh, or one already
+    past its expiry: flagged at the reads) the next beat is a period away."""
+    rdzv = _rendezvous("a")
+    now = time.monotonic()
+    rdzv._members = ("a", "b", "c")
+    rdzv._seen = {"b": rendezvous._Seen(3, now - rdzv.expiry + 0.03), "c": rendezvous._Seen(9, now)}
+    wait = rdzv._beat_wait()
+    assert 0.02 < wait < 0.04, wait  # 0.03 s left, and 5 ms past it
+    rdzv._seen["b"] = rendezvous._Seen(3, now - 2 * rdzv.expiry)  # already past: judged at the reads
+    assert rdzv._beat_wait() == rdzv.period
+    rdzv._seen = {"b": rendezvous._Seen(3, now), "c": rendezvous._Seen(9, now)}
+    assert rdzv._beat_wait() == rdzv.period
+    rdzv._members = ("b", "a", "c")  # a follower reads the summary on its own schedule
+    rdzv._seen = {"b": rendezvous._Seen(3, now - rdzv.expiry + 0.03)}
+    assert rdzv._beat_wait() == rdzv.period
+
+
+def test_a_joining_follower_beats_but_reads_no_summary() -> None:
+    """While it joins, a follower's generation is over for it: its heartbeat thread beats (the round
+    judges its leader by it) but reads nothing of the old generation (a third of the heartbeats' load on
+    a regroup's herd at 512 participants); the monitor goes on writing its summary for those that train."""
+    from rdzv_model import MemStore
+
+    class Reads(MemStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.read: list[str] = []
+
+        def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+            self.read.append(key)
+            return super().compare_set(key, expected_value, desired_value)
+
+    rdzv = _rendezvous("b")
+    rdzv._generation, rdzv._members = 0, ("a", "b")
+    store = Reads()
+    store.set(rendezvous.summary_key(0), "7;1;")
+    for joining in (True, False):
+        rdzv._joining = joining
+        store.read.clear()
+        rdzv._beats = 1  # the next beat is one that reads the summary
+        rdzv._beat_once(store)
+        assert store.data[rendezvous.hb_key("b")] == (b"1" if joining else b"2")  # it beats either way
+        assert (rendezvous.summary_key(0) in store.read) is not joining, store.read
+    assert rdzv.pending()  # read when not joining: the summary's flag
+    monitor = _rendezvous("a")
+    monitor._generation, monitor._members, monitor._joining = 0, ("a", "b"), True
+    store = Reads()
+    monitor._beat_once(store)
+    assert rendezvous.summary_key(0) in store.data  # the monitor writes it, joining or not
+
+
 def test_a_leader_reads_a_herd_of_events_in_batches_around_the_holes() -> None:
     from rdzv_model import MemStore
 
