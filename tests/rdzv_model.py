@@ -406,7 +406,7 @@ def _joiner(
     """One step of a join in progress."""
     j = w.joiner
     assert j is not None
-    if j.phase not in ("count", "check", "fetch", "sleep"):
+    if j.phase not in ("count", "check", "fetch", "obsolete?"):
         st = MemStore(state.store)
         nj = step(j, st, _no_proposal)
         yield f"{w.name} {j.phase}", put(_advance(w, nj), st), True

@@ -390,7 +390,8 @@ def decode_decision(
 class Joiner:
     """A participant's progress through `join`: the protocol as a state machine, one store op per step.
 
-    phase: ``fin`` (is the run finished?), ``hint`` (read ``next``), ``scan`` (skip decided rounds),
+    phase: ``fin`` (is the run finished?), ``hint`` (read ``next``; skipped by a member of the previous
+    generation, which scans from the round after it), ``scan`` (skip decided rounds),
     ``slot``/``put`` (number and write ``+me``), ``prev``/``prevall`` (generation round-1's members, when
     not a member of it), ``lead`` (become the round's leader, or learn who is), then for the leader
     ``poll`` (decided? the decision itself, read at once), ``current?`` (has ``next`` passed this round:
@@ -401,8 +402,8 @@ class Joiner:
     ``multi_get``; judge when none is left), ``propose`` (write the whole list),
     ``guard`` (a round with no previous generation: does ``next`` still allow it?), ``commit`` (the
     decision's compare_set); for the others ``wait`` (the leader's ticks), ``wake`` (as ``poll``),
-    ``obsolete?`` (as ``current?``), ``sleep`` (for the next tick, bounded; judge the leader when it
-    times out) and ``takeover``; then ``all`` (the whole list, when the decision's change of the
+    ``sleep`` (for the next tick, bounded), ``obsolete?`` (when no tick came: as ``current?``, then
+    judge the leader) and ``takeover``; then ``all`` (the whole list, when the decision's change of the
     previous generation does not rebuild it), ``hinted`` (the leader raises ``next``), ``done``.
     """
 
@@ -485,7 +486,9 @@ def step(
     if j.phase == "fin":
         if store.check([FINISHED]):
             return attrs.evolve(j, phase="done", finished=True)
-        return attrs.evolve(j, phase="hint")
+        # a member of the previous generation scans from the round after it (it is rarely behind): no
+        # `next` to read, one operation less for each of a regroup's herd
+        return attrs.evolve(j, phase="scan" if j.generation == n - 1 and n > 0 else "hint")
     if j.phase == "hint":
         return attrs.evolve(j, phase="scan", round=max(n, store.add(NEXT, 0)))
     if j.phase == "scan":
@@ -522,16 +525,18 @@ def step(
         raw = peek(store, decision_key(n))
         if raw is not None:
             return _read_decision(j, raw, fit)
-        return attrs.evolve(j, phase="obsolete?")
-    if j.phase == "obsolete?":  # a restarted store re-seeded a later generation: this round is over
-        if store.add(NEXT, 0) > n:
-            return attrs.evolve(j, phase="over?")
         if seen is not None:
             seen(j.leader)
         return attrs.evolve(j, phase="sleep")
     if j.phase == "sleep":
         if store.wait_for(tick_key(n, j.tick + 1), wait):
             return attrs.evolve(j, phase="wake", tick=j.tick + 1)
+        # no tick: the leader is gone, or no longer judges this round (`next` passed it: a restarted
+        # store re-seeded a later generation, or its guard sent it on)
+        return attrs.evolve(j, phase="obsolete?")
+    if j.phase == "obsolete?":  # a restarted store re-seeded a later generation: this round is over
+        if store.add(NEXT, 0) > n:
+            return attrs.evolve(j, phase="over?")
         if gone is not None and gone(j.leader):
             return attrs.evolve(j, phase="takeover")
         return attrs.evolve(j, phase="wake")
