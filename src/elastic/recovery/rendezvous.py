@@ -942,7 +942,6 @@ class Rendezvous:
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
         self._beats = 0
         self._joining = False  # in `join` (the heartbeat thread reads no summary meanwhile)
-        self._joined_round = -1  # the round the last join wrote its ``+p`` to (for the log)
         self._evidence: tuple[int, str] = (-1, "")  # (generation, tokens) of the last `unreachable`
         #: when this participant found the store restarted empty (monotonic; None: never)
         self._restarted_at: float | None = None
@@ -1024,12 +1023,46 @@ class Rendezvous:
         wait = 3 * TICK
         rang = time.monotonic()
         replaced = self._replaced
+        joined_at = -1
         self._joining = True
         try:
-            j = self._join_loop(j, deadline, view, propose, gone, wait, rang, replaced)
+            while True:
+                self.progress()
+                before = j
+                try:
+                    j = self._retry(functools.partial(self._step, j, propose, gone, wait), join=replaced)
+                except _Replaced:
+                    # the store restarted empty (found by this thread or the heartbeat's): what this join did
+                    # was in the old store; start again, in the new one, without running a step of the old
+                    # join there (a leader's commit would write an old judgement into the new store), once
+                    # the re-seed is done (this participant's re-posted evidence comes before its join)
+                    self._reseeded.wait(self.timeout)
+                    self._enter()
+                    replaced = self._replaced
+                    j = start(self.participant, self._generation, self._members)
+                    continue
+                if self._replaced != replaced:  # the heartbeat thread found the store restarted meanwhile
+                    replaced = self._replaced
+                    j = start(self.participant, self._generation, self._members)
+                    continue
+                if j.phase == "done":
+                    break
+                if before.phase == "put":
+                    joined_at = j.round
+                if j.phase == "poll" and before.phase in ("count", "check", "fetch"):  # judged: not yet
+                    now = time.monotonic()
+                    if now > deadline:
+                        if self.fit is not None and any(p in view.alive for p in view.prev):
+                            # a spare: a generation trains without it; it waits for the next change
+                            deadline = now + self.join_timeout
+                        else:
+                            raise self._join_timeout_error(j, view)
+                    if now - rang >= TICK:  # the waiters' sign that their leader still judges
+                        self._retry(functools.partial(ring, self._link.ops, j.round))
+                        rang = now
+                    time.sleep(min(0.02, self.period / 2))
         finally:
             self._joining = False
-        joined_at = self._joined_round
         if j.finished:
             log.debug("rendezvous: %s: the run is finished, nothing to join", self.participant)
             return None
@@ -1058,55 +1091,6 @@ class Rendezvous:
             members=members,
             prefix=f"elastic/{self.run_id}/pg/{j.round}/",
         )
-
-    def _join_loop(
-        self,
-        j: Joiner,
-        deadline: float,
-        view: _View,
-        propose: Propose,
-        gone: Gone,
-        wait: float,
-        rang: float,
-        replaced: int,
-    ) -> Joiner:
-        """`join`'s steps until the join is done (its phase ``done``)."""
-        self._joined_round = -1
-        while True:
-            self.progress()
-            before = j
-            try:
-                j = self._retry(functools.partial(self._step, j, propose, gone, wait), join=replaced)
-            except _Replaced:
-                # the store restarted empty (found by this thread or the heartbeat's): what this join did
-                # was in the old store; start again, in the new one, without running a step of the old
-                # join there (a leader's commit would write an old judgement into the new store), once
-                # the re-seed is done (this participant's re-posted evidence comes before its join)
-                self._reseeded.wait(self.timeout)
-                self._enter()
-                replaced = self._replaced
-                j = start(self.participant, self._generation, self._members)
-                continue
-            if self._replaced != replaced:  # the heartbeat thread found the store restarted meanwhile
-                replaced = self._replaced
-                j = start(self.participant, self._generation, self._members)
-                continue
-            if j.phase == "done":
-                return j
-            if before.phase == "put":
-                self._joined_round = j.round
-            if j.phase == "poll" and before.phase in ("count", "check", "fetch"):  # judged: not yet
-                now = time.monotonic()
-                if now > deadline:
-                    if self.fit is not None and any(p in view.alive for p in view.prev):
-                        # a spare: a generation trains without it; it waits for the next change
-                        deadline = now + self.join_timeout
-                    else:
-                        raise self._join_timeout_error(j, view)
-                if now - rang >= TICK:  # the waiters' sign that their leader still judges
-                    self._retry(functools.partial(ring, self._link.ops, j.round))
-                    rang = now
-                time.sleep(min(0.02, self.period / 2))
 
     def announce(self) -> None:
         """This member's generation is over for it and it will join the next round: tell the others now.
