@@ -20,6 +20,7 @@ from elastic.recovery.store import (
     format_address,
     parse_address,
     parse_addresses,
+    probe,
     serve,
 )
 
@@ -67,6 +68,30 @@ def test_a_list_of_addresses_is_tried_in_order(monkeypatch: pytest.MonkeyPatch) 
         connect_first(
             [("127.0.0.1", dead_port)], timeout=timedelta(seconds=1), attempt=timedelta(seconds=0.3)
         )
+
+
+def test_a_reconnect_to_a_store_that_is_down_is_refused_by_the_probe_not_torchs_retry() -> None:
+    # torch's client retries a refused connection after a random 0.4-1 s whatever its timeout: a
+    # participant that tried while the store restarted would re-seed it up to a second late
+    import elastic.recovery.rendezvous as rendezvous
+
+    server = serve("127.0.0.1", 0, timeout=timedelta(seconds=5))
+    port = server.port
+    probe("127.0.0.1", port, timedelta(seconds=1))  # a listening store: no error, and it still serves
+    client = connect("127.0.0.1", port, timeout=timedelta(seconds=5))
+    r = rendezvous.Rendezvous(
+        client, "probe", "a", join_timeout=timedelta(seconds=5), timeout=timedelta(seconds=5)
+    )
+    try:
+        r._clone().set("k", "v")
+        assert server.get("k") == b"v"
+        del server
+        with pytest.raises(ConnectionRefusedError):
+            r._clone()  # the probe's error: no TCPStore client was attempted
+        with pytest.raises(ElasticError, match=r"Connection refused"):
+            connect_first([("127.0.0.1", port)], timeout=timedelta(seconds=1), attempt=timedelta(seconds=1))
+    finally:
+        r.close()
 
 
 def test_serve_and_connect_share_keys_and_name_unreachable_address() -> None:

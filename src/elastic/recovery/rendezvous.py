@@ -47,6 +47,7 @@ import torch.distributed as dist
 from elastic._util.errors import ElasticError
 from elastic._util.procs import running
 from elastic.recovery.partition import largest_reachable
+from elastic.recovery.store import probe
 
 __all__ = [
     "Joiner",
@@ -1215,12 +1216,14 @@ class Rendezvous:
         (a thread retrying a store that is down must stay responsive to `close`), then the usual one."""
         base = self._base
         if isinstance(base, dist.TCPStore):
+            attempt = timedelta(seconds=min(self.timeout, RECONNECT))
+            probe(base.host, base.port, attempt)  # refused at once while down (torch waits 0.4-1 s)
             store = dist.TCPStore(
                 base.host,
                 base.port,
                 is_master=False,
                 wait_for_workers=False,
-                timeout=timedelta(seconds=min(self.timeout, RECONNECT)),
+                timeout=attempt,
             )
             store.set_timeout(base.timeout)  # type: ignore[attr-defined]
             return store

@@ -8,6 +8,7 @@ many machines); every worker `connect`s to it as a client. Addresses are ``"host
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ __all__ = [
     "format_address",
     "parse_address",
     "parse_addresses",
+    "probe",
     "serve",
 ]
 
@@ -80,6 +82,8 @@ def connect_first(
     errors = []
     for host, port in addresses:
         try:
+            if attempt is not None:
+                probe(host, port, attempt)
             store = dist.TCPStore(
                 host, port, is_master=False, timeout=attempt or timeout, wait_for_workers=False
             )
@@ -96,6 +100,17 @@ def connect_first(
         f"({'; '.join(errors)}); start one with `python -m elastic.store --port P` or check {RDZV_ENV}"
     )
     raise ElasticError(msg)
+
+
+def probe(host: str, port: int, timeout: timedelta) -> None:
+    """Raise OSError unless something accepts a connection at `host`:`port` within `timeout`.
+
+    A quick look before a `TCPStore` client is made for a store that went away: torch's client retries a
+    refused connection after a random 0.4-1 s, whatever its timeout, so a participant that tried while the
+    store was down would find its restart (and re-seed it) up to a second late, past the newcomers' wait.
+    """
+    with socket.create_connection((host, port), timeout=max(timeout.total_seconds(), 0.001)):
+        pass
 
 
 def format_address(host: str, port: int) -> str:
