@@ -34,7 +34,7 @@ participant learns a peer's pid and only heartbeats tell who is gone. Phases, fo
   survivor holds one generation of exactly the N-1 survivors, and the ops and bytes read over that
   window, per survivor (the mean and the max). The notes give when the first flag was raised
   (``flagged_s``: the heartbeat expiry plus the monitor's period) and when the survivors' `join()`
-  calls returned (``joined_s``: first..median..last).
+  calls began (``join_began_s``) and returned (``joined_s``), first..median..last.
 
 Rendezvous parameters: ``timeout=10 s`` (heartbeat period 0.1 s, expiry 0.6 s, grace 3 s, last call 1 s),
 ``join_timeout=600 s``; each phase is capped by ``--deadline`` seconds (default 300): a capped phase is
@@ -718,13 +718,17 @@ def _phases(n: int, args: argparse.Namespace, port: int, store_pid: int) -> dict
             out["incomplete"] = f"regroup: not every host held one generation of the {n - 1} at the deadline"
             say(out["incomplete"])
         info["cpu_regroup"] = load(c0, windows())
-        ends = []
+        starts, ends = [], []
         for c in conns:
             c.send(("times",))
             msg = recv(c, "times", time.monotonic() + 30)
+            starts += [b - t0 for b, _ in (msg[1] if msg is not None else [])]
             ends += [e - t0 for _, e in (msg[1] if msg is not None else [])]
-        if ends:  # when the survivors' join() calls returned: the decision, then the waiters waking
+        if ends:  # when the survivors' join() calls began (their flag seen) and returned (the decision,
+            # then the waiters waking)
+            starts.sort()
             ends.sort()
+            info["join_began_s"] = f"{starts[0]:.3f}..{starts[len(starts) // 2]:.3f}..{starts[-1]:.3f}"
             info["joined_s"] = f"{ends[0]:.3f}..{ends[len(ends) // 2]:.3f}..{ends[-1]:.3f}"
         ops = [after[k][0] - before[k][0] for k in survivors]
         nbytes = [after[k][2] - before[k][2] for k in survivors]

@@ -692,6 +692,32 @@ def test_a_joining_follower_beats_but_reads_no_summary() -> None:
     assert rendezvous.summary_key(0) in store.data  # the monitor writes it, joining or not
 
 
+def test_a_member_waiting_for_another_leaders_decision_does_not_beat_and_is_not_flagged() -> None:
+    """Between its join event and the decision of a round led by another, nobody reads a participant's
+    heartbeat: it does not beat (at 512 those beats were a third of a regroup's load), and the old
+    generation's monitor flags no member that joined the next round, however long its counter stood."""
+    from rdzv_model import MemStore, events_of
+
+    waiter = _rendezvous("b")
+    waiter._generation, waiter._members = 0, ("a", "b", "c")
+    store = MemStore()
+    for waiting, counter in ((True, None), (False, b"1"), (True, b"1")):
+        waiter._waiting = waiting
+        waiter._beat_once(store)
+        assert store.data.get(rendezvous.hb_key("b")) == counter
+    monitor = _rendezvous("a")
+    monitor._generation, monitor._members = 0, ("a", "b", "c")
+    for p in ("b", "c"):
+        store.set(rendezvous.hb_key(p), "5")
+    monitor._refresh(store, write=True)  # the baseline: both counters seen now
+    long_ago = time.monotonic() - 10 * monitor.expiry
+    monitor._seen = {p: rendezvous._Seen(5, long_ago) for p in ("b", "c")}
+    rendezvous.add_event(store, 1, "+b")  # b joined round 1 (and waits there); c stopped
+    monitor._refresh(store, write=True)
+    assert events_of(store, 1).suspected == {"c"}
+    assert monitor.pending()
+
+
 def test_a_leader_reads_a_herd_of_events_in_batches_around_the_holes() -> None:
     from rdzv_model import MemStore
 

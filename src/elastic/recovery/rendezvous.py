@@ -778,6 +778,10 @@ class _StoreOps:
         return bool(self.store.delete_key(key))
 
 
+#: the phases of a participant that joined a round and waits for its leader's decision
+_WAITING = frozenset({"wait", "wake", "sleep", "obsolete?"})
+
+
 def _seconds(value: timedelta | float) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
@@ -943,6 +947,9 @@ class Rendezvous:
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
         self._beats = 0
         self._joining = False  # in `join` (the heartbeat thread reads no summary meanwhile)
+        #: joined a round led by another, waiting for its decision: nobody judges this participant by its
+        #: heartbeat meanwhile (its join event vouches for it), so it does not beat
+        self._waiting = False
         self._evidence: tuple[int, str] = (-1, "")  # (generation, tokens) of the last `unreachable`
         #: when this participant found the store restarted empty (monotonic; None: never)
         self._restarted_at: float | None = None
@@ -1046,6 +1053,13 @@ class Rendezvous:
                     replaced = self._replaced
                     j = start(self.participant, self._generation, self._members)
                     continue
+                # between its join event and the decision of a round led by another, a participant's
+                # heartbeat is read by nobody: the leader counts it by its event, the next generation's
+                # monitor sees every member afresh (at 512 these beats were a third of the herd's load)
+                # (a sharded run's spares, which may wait there for long, go on beating)
+                self._waiting = (
+                    self.fit is None and j.phase in _WAITING and j.leader not in ("", self.participant)
+                )
                 if j.phase == "done":
                     break
                 if before.phase == "put":
@@ -1063,7 +1077,7 @@ class Rendezvous:
                         rang = now
                     time.sleep(min(0.02, self.period / 2))
         finally:
-            self._joining = False
+            self._joining = self._waiting = False
         if j.finished:
             log.debug("rendezvous: %s: the run is finished, nothing to join", self.participant)
             return None
@@ -1517,7 +1531,7 @@ class Rendezvous:
                 self._store_down_since = None
 
     def _beat_once(self, ops: Ops) -> None:
-        if self._making_progress(time.monotonic()):
+        if self._making_progress(time.monotonic()) and not self._waiting:
             self._counter = ops.add(hb_key(self.participant), 1)
         self._beats += 1
         with self._lock:
@@ -1564,7 +1578,9 @@ class Rendezvous:
                 for p in others
                 if (s := self._seen.get(p)) is not None and observed - s.changed > self.expiry
             }
-        dead = [p for p in others if p in ages or p in self.exited()]
+        # a member that joined the next round is not judged by its heartbeat: it waits there, not beating
+        joined = set(events.joined)
+        dead = [p for p in others if p not in joined and (p in ages or p in self.exited())]
         for p in dead:
             if (g + 1, p) not in self._reported and p not in events.suspected:
                 add_event(ops, g + 1, f"?{p}")
