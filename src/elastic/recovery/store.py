@@ -103,11 +103,20 @@ def connect_first(
 
 
 def probe(host: str, port: int, timeout: timedelta) -> None:
-    """Raise OSError unless something accepts a connection at `host`:`port` within `timeout`.
+    """Check that something accepts a TCP connection at `host`:`port` (then close it).
 
     A quick look before a `TCPStore` client is made for a store that went away: torch's client retries a
     refused connection after a random 0.4-1 s, whatever its timeout, so a participant that tried while the
     store was down would find its restart (and re-seed it) up to a second late, past the newcomers' wait.
+
+    Args:
+        host: the store's host name or address.
+        port: the store's port.
+        timeout: how long the connect may take.
+
+    Raises:
+        OSError: nothing accepts there now (``ConnectionRefusedError`` at once for a closed port), or the
+            connect took longer than `timeout`.
     """
     with socket.create_connection((host, port), timeout=max(timeout.total_seconds(), 0.001)):
         pass
