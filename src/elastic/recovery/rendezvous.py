@@ -47,7 +47,7 @@ import torch.distributed as dist
 from elastic._util.errors import ElasticError
 from elastic._util.procs import running
 from elastic.recovery.partition import largest_reachable
-from elastic.recovery.store import probe
+from elastic.recovery.store import client
 
 __all__ = [
     "Joiner",
@@ -1229,18 +1229,9 @@ class Rendezvous:
         """A new client of the same store. A TCPStore's is made directly, with a short connect timeout
         (a thread retrying a store that is down must stay responsive to `close`), then the usual one."""
         base = self._base
-        if isinstance(base, dist.TCPStore):
+        if isinstance(base, dist.TCPStore):  # probed first: refused at once while down (torch waits 0.4-1 s)
             attempt = timedelta(seconds=min(self.timeout, RECONNECT))
-            probe(base.host, base.port, attempt)  # refused at once while down (torch waits 0.4-1 s)
-            store = dist.TCPStore(
-                base.host,
-                base.port,
-                is_master=False,
-                wait_for_workers=False,
-                timeout=attempt,
-            )
-            store.set_timeout(base.timeout)  # type: ignore[attr-defined]
-            return store
+            return client(base.host, base.port, timeout=base.timeout, attempt=attempt)  # type: ignore[attr-defined]
         return base.clone()  # type: ignore[attr-defined]
 
     def _enter(self) -> None:

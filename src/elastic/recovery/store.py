@@ -17,6 +17,7 @@ from elastic._util.errors import ElasticError
 
 __all__ = [
     "RDZV_ENV",
+    "client",
     "connect",
     "connect_first",
     "format_address",
@@ -82,17 +83,9 @@ def connect_first(
     errors = []
     for host, port in addresses:
         try:
-            if attempt is not None:
-                probe(host, port, attempt)
-            store = dist.TCPStore(
-                host, port, is_master=False, timeout=attempt or timeout, wait_for_workers=False
-            )
+            return client(host, port, timeout=timeout, attempt=attempt), (host, port)
         except (RuntimeError, OSError) as exc:
             errors.append(f"{format_address(host, port)}: {str(exc).splitlines()[0] if str(exc) else exc}")
-            continue
-        if attempt is not None:
-            store.set_timeout(timeout)
-        return store, (host, port)
     listed = ", ".join(format_address(h, p) for h, p in addresses)
     seconds = (attempt or timeout).total_seconds()
     msg = (
@@ -100,6 +93,30 @@ def connect_first(
         f"({'; '.join(errors)}); start one with `python -m elastic.store --port P` or check {RDZV_ENV}"
     )
     raise ElasticError(msg)
+
+
+def client(host: str, port: int, *, timeout: timedelta, attempt: timedelta | None = None) -> dist.TCPStore:
+    """A client of the store at `host`:`port`, the errors left as they are (`connect` names the address).
+
+    Args:
+        host: the store's host name or address.
+        port: the store's port.
+        timeout: bounds the client's operations (and its connect, without `attempt`).
+        attempt: bounds the connect, after a `probe` (a store that went away: refused at once).
+
+    Returns:
+        The client.
+
+    Raises:
+        OSError: the probe found nothing there.
+        RuntimeError: torch's client could not connect (``DistNetworkError``).
+    """
+    if attempt is not None:
+        probe(host, port, attempt)
+    store = dist.TCPStore(host, port, is_master=False, timeout=attempt or timeout, wait_for_workers=False)
+    if attempt is not None:
+        store.set_timeout(timeout)
+    return store
 
 
 def probe(host: str, port: int, timeout: timedelta) -> None:
