@@ -67,6 +67,13 @@ class Wire:
         self.cond = threading.Condition()
         self.values: dict[int, dict[int, int]] = defaultdict(dict)
 
+    def queue(self, src: int, dst: int, tag: int) -> queue.Queue[torch.Tensor]:
+        """The queue of (src, dst, tag), made once under the lock: a defaultdict's miss runs Python code
+        (Queue()), so a sender and a receiver that missed it together could each make one, and the
+        message went into the queue the other overwrote (a fake op waiting out its 20 s on a loaded CI)."""
+        with self.cond:
+            return self.queues[(src, dst, tag)]
+
 
 class FakeGroup:
     """`send`/`recv`/`allreduce` (MIN) like a torch ProcessGroup's; `fail_buffers` makes a receive of a
@@ -89,7 +96,7 @@ class FakeGroup:
             time.sleep(0.005)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
-        self.wire.queues[(self.rank, dst, tag)].put(tensors[0].clone())
+        self.wire.queue(self.rank, dst, tag).put(tensors[0].clone())
         return _Work(lambda: None)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
@@ -98,7 +105,7 @@ class FakeGroup:
 
         def run() -> None:
             self._until(self.hold.is_set)
-            q = self.wire.queues[(src, self.rank, tag)]
+            q = self.wire.queue(src, self.rank, tag)
             self._until(lambda: not q.empty())
             data = q.get()
             if fail:
