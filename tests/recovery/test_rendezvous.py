@@ -718,6 +718,169 @@ def test_a_member_waiting_for_another_leaders_decision_does_not_beat_and_is_not_
     assert monitor.pending()
 
 
+def test_a_waiter_reads_the_decision_only_after_a_tick_and_the_leaders_beat_only_once_it_rang() -> None:
+    """A regroup's herd: each waiter reads the tick count, waits for the next tick and reads the decision
+    (three operations). With no tick yet no decision can have rung, so it is not read before the wait,
+    and no baseline of the leader's heartbeat is read; once the leader rang (a long round), the waiter
+    reads the decision before it waits and notes the leader's heartbeat at each wake."""
+    from rdzv_model import MemStore
+
+    class Recording(MemStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, str]] = []
+
+        def add(self, key: str, value: int) -> int:
+            self.ops.append(("add", key))
+            return super().add(key, value)
+
+        def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+            self.ops.append(("compare_set", key))
+            return super().compare_set(key, expected_value, desired_value)
+
+        def wait_for(self, key: str, seconds: float) -> bool:
+            self.ops.append(("wait", key))
+            return super().wait_for(key, seconds)
+
+    def never(n: int, prev: tuple[str, ...], log: Log, orphan: bool) -> None:
+        return None
+
+    for rung in (False, True):
+        store = Recording()
+        if rung:
+            rendezvous.ring(store, 1)  # the leader judged for a while: tick 1, no decision
+        seen: list[str] = []
+        j = rendezvous.start("b", 0, ("a", "b"))
+        j = rendezvous.attrs.evolve(j, phase="wait", leader="a", prev=("a", "b"))
+        store.ops.clear()
+        j = rendezvous.step(j, store, never, seen=seen.append)
+        assert (j.phase, j.tick) == (("wake", 1) if rung else ("sleep", 0))
+        if rung:
+            j = rendezvous.step(j, store, never, seen=seen.append)  # undecided: wait for the next tick
+            assert j.phase == "sleep" and seen == ["a"]
+        before = list(store.ops)
+        # the leader decides and rings (its operations are not the waiter's)
+        store.set(rendezvous.decision_key(1), rendezvous.encode_decision("a", ("a", "b"), ("a", "b")))
+        rendezvous.ring(store, 1)
+        store.ops = before
+        while j.phase != "done":
+            j = rendezvous.step(j, store, never, seen=seen.append)
+        assert j.decision == ("a", "b")
+        expected = [("add", rendezvous.tick_count_key(1))]
+        if rung:
+            expected.append(("compare_set", rendezvous.decision_key(1)))
+        tick = 2 if rung else 1
+        expected += [("wait", rendezvous.tick_key(1, tick)), ("compare_set", rendezvous.decision_key(1))]
+        assert store.ops == expected, store.ops
+        assert seen == (["a"] if rung else [])  # the decided wake notes nothing
+
+
+def test_a_members_next_join_does_not_beat_or_read_the_stores_life_again() -> None:
+    """Before a join: a member whose heartbeat thread beat within a period does not beat again, and one
+    whose connection read the store's life already does not read it again (a restarted store breaks the
+    connection; a new one reads it); where it runs is written once per store life."""
+    from rdzv_model import MemStore
+
+    class Recording(MemStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.keys: list[str] = []
+
+        def add(self, key: str, value: int) -> int:
+            self.keys.append(key)
+            return super().add(key, value)
+
+        def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+            self.keys.append(key)
+            return super().compare_set(key, expected_value, desired_value)
+
+        def set(self, key: str, value: str) -> None:
+            self.keys.append(key)
+            super().set(key, value)
+
+    rdzv = _rendezvous("b")
+    rdzv._space = "host"
+    store = Recording()
+    rdzv._link.ops = store  # type: ignore[assignment]
+    beat, life, where = rendezvous.hb_key("b"), rendezvous.EPOCH, rendezvous.where_key("b")
+    rdzv._enter()  # a newcomer: all three
+    assert store.keys == [beat, life, where]
+    assert rdzv._epoch and rdzv._link.epoch == rdzv._epoch
+    rdzv._thread = threading.current_thread()  # (stands for its heartbeat thread)
+    rdzv._beat_at = time.monotonic()
+    store.keys.clear()
+    rdzv._enter()  # a member that beat just now, on a connection that read the store's life
+    assert store.keys == []
+    rdzv._beat_at -= 2 * rdzv.period  # its heartbeat stood still (no progress): it beats
+    rdzv._link.epoch = ""  # a new connection: it reads the store's life
+    rdzv._enter()
+    assert store.keys == [beat, life]
+    rdzv._store_down_since = time.monotonic()  # the store was lost meanwhile: it beats
+    rdzv._beat_at = time.monotonic()
+    store.keys.clear()
+    rdzv._enter()
+    assert store.keys == [beat]
+
+
+def test_the_rendezvous_names_the_keys_a_prefix_store_would_and_calls_a_python_store_directly() -> None:
+    """The keys of a participant's operations are the ones a `PrefixStore` of its prefix names (tools
+    and tests read them so), joined in Python: a store written in Python (the benchmark's counting
+    wrapper) is called directly, not through torch's trampoline."""
+    base = torch.distributed.HashStore()
+    prefix = "elastic/unit/"
+    seen: list[str] = []
+
+    class Python(torch.distributed.Store):
+        def get(self, key: str) -> bytes:
+            seen.append(key)
+            return base.get(key)
+
+        def set(self, key: str, value: Any) -> None:
+            seen.append(key)
+            base.set(key, value)
+
+        def add(self, key: str, value: int) -> int:
+            seen.append(key)
+            return base.add(key, value)
+
+        def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+            seen.append(key)
+            return base.compare_set(key, expected_value, desired_value)
+
+        def check(self, keys: list[str]) -> bool:
+            seen.extend(keys)
+            return base.check(keys)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            seen.extend(keys)
+            return base.multi_get(keys)
+
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+            seen.extend(keys)
+            base.wait(keys, timeout) if timeout is not None else base.wait(keys)
+
+        def delete_key(self, key: str) -> bool:
+            seen.append(key)
+            return base.delete_key(key)
+
+    python = Python()
+    link = rendezvous._Link(python, prefix, lambda: Python())
+    ops = link.ops
+    assert ops.store is python  # no PrefixStore (C++) between: one crossing from Python per operation
+    ops.set("k", "v")
+    assert ops.add("n", 2) == 2
+    assert ops.compare_set("c", "", "x") == b"x"
+    assert ops.check(["k", "n"]) and not ops.check(["missing"])
+    assert ops.multi_get(["k", "c"]) == [b"v", b"x"]
+    assert ops.wait_for("k", 0.1) and not ops.wait_for("missing", 0.05)
+    assert ops.delete_key("c")
+    full = torch.distributed.PrefixStore(prefix, base)
+    assert full.get("k") == b"v" and full.add("n", 0) == 2 and not full.check(["c"])
+    assert seen[:3] == [f"{prefix}/k", f"{prefix}/n", f"{prefix}/c"]
+    assert all(k.startswith(f"{prefix}/") for k in seen), seen
+    assert link.store.get("k") == b"v"  # the link's PrefixStore (for the run loop) names the same keys
+
+
 def test_a_leader_reads_a_herd_of_events_in_batches_around_the_holes() -> None:
     from rdzv_model import MemStore
 

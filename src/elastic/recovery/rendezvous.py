@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import secrets
 import threading
@@ -477,11 +478,11 @@ def step(
     """One store operation of participant `j`'s join.
 
     `propose(round, prev, log, orphan)` judges for the leader; `seen(leader)`: note the leader's heartbeat
-    (at every tick); `gone(leader)`: is the leader dead (judged when a wait for its next tick timed out);
-    `fit`: the mesh (ranks); `wait`: how long one wait for a tick blocks (the leader rings every
-    `TICK` seconds while it judges, and once when it decided). The result's phase is ``done`` with
-    `decision` (generation `round`'s members, `me` among them) or `finished` set; otherwise call again
-    (after a short sleep when the phase is ``poll``).
+    (at every wake once the leader has rung); `gone(leader)`: is the leader dead (judged when a wait for
+    its next tick timed out); `fit`: the mesh (ranks); `wait`: how long one wait for a tick blocks (the
+    leader rings every `TICK` seconds while it judges, and once when it decided). The result's phase is
+    ``done`` with `decision` (generation `round`'s members, `me` among them) or `finished` set; otherwise
+    call again (after a short sleep when the phase is ``poll``).
     """
     n = j.round
     if j.phase == "fin":
@@ -521,12 +522,20 @@ def step(
         leader = store.compare_set(lead_key(n), "", j.me).decode()
         return attrs.evolve(j, phase="poll" if leader == j.me else "wait", leader=leader)
     if j.phase == "wait":  # the ticks first, then the decision: a decision after the check rings
-        return attrs.evolve(j, phase="wake", tick=store.add(tick_count_key(n), 0))
+        tick = store.add(tick_count_key(n), 0)
+        # no tick yet: no decision has rung either (the leader rings after its commit), so the next tick
+        # comes after any decision and the decision need not be read now (one operation less each for a
+        # regroup's herd, whose leader decides before its first tick)
+        return attrs.evolve(j, phase="wake" if tick else "sleep", tick=tick)
     if j.phase == "wake":  # decided? (the decision itself, read at once)
         raw = peek(store, decision_key(n))
         if raw is not None:
             return _read_decision(j, raw, fit)
-        if seen is not None:
+        if seen is not None and j.tick:
+            # the leader rang: it judges, alive; its heartbeat now is the baseline that `gone` compares
+            # with when the ticks stop. Before any tick (a regroup's whole herd: its leader decides before
+            # its first tick) no baseline is read: one operation less each; a leader that dies before
+            # ringing is then judged one `wait` later (the first `gone` takes the baseline)
             seen(j.leader)
         return attrs.evolve(j, phase="sleep")
     if j.phase == "sleep":
@@ -745,26 +754,34 @@ def read_round(store: dist.Store, n: int) -> Log:
 
 
 class _StoreOps:
-    """`Ops` over a torch Store (its wait's timeout becomes False)."""
+    """`Ops` over a torch Store, its keys under `prefix` (its wait's timeout becomes False).
 
-    def __init__(self, store: dist.Store) -> None:
+    The prefix is joined here rather than by a `PrefixStore` around `store`: a call then crosses from
+    Python to the store once. (A store written in Python, such as a benchmark's counting wrapper, is
+    reached through a PrefixStore by torch's trampoline: three takings of the GIL per operation instead
+    of one, each a wait behind the other threads of a busy process.)
+    """
+
+    def __init__(self, store: dist.Store, prefix: str = "") -> None:
         self.store = store
+        self.prefix = prefix
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self.store.check(keys))
+        p = self.prefix
+        return bool(self.store.check([p + k for k in keys]))
 
     def set(self, key: str, value: str) -> None:
-        self.store.set(key, value)
+        self.store.set(self.prefix + key, value)
 
     def add(self, key: str, value: int) -> int:
-        return int(self.store.add(key, value))
+        return int(self.store.add(self.prefix + key, value))
 
     def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
-        return bytes(self.store.compare_set(key, expected_value, desired_value))
+        return bytes(self.store.compare_set(self.prefix + key, expected_value, desired_value))
 
     def wait_for(self, key: str, seconds: float) -> bool:
         try:
-            self.store.wait([key], timedelta(seconds=seconds))
+            self.store.wait([self.prefix + key], timedelta(seconds=seconds))
         except dist.DistStoreError as exc:
             if "timeout" in str(exc).lower():
                 return False
@@ -772,10 +789,11 @@ class _StoreOps:
         return True
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return list(self.store.multi_get(keys))
+        p = self.prefix
+        return list(self.store.multi_get([p + k for k in keys]))
 
     def delete_key(self, key: str) -> bool:
-        return bool(self.store.delete_key(key))
+        return bool(self.store.delete_key(self.prefix + key))
 
 
 #: the phases of a participant that joined a round and waits for its leader's decision
@@ -834,8 +852,9 @@ class _Link:
 
     def _use(self, base: dist.Store) -> None:
         self.base = base
+        self.epoch = ""  # the store's life (`EPOCH`) read on this connection ("": not read on it yet)
         self.store = dist.PrefixStore(self.prefix, base)
-        self.ops = _StoreOps(self.store)
+        self.ops = _StoreOps(base, self.prefix + "/")  # the keys the PrefixStore names
 
     def renew(self) -> bool:
         """A new connection; False when the store cannot be reached now."""
@@ -944,6 +963,8 @@ class Rendezvous:
         self._reseeded = threading.Event()  # clear while a re-seed of a restarted store is under way
         self._reseeded.set()
         self._counter = 0  # this participant's heartbeat counter, as the store last returned it
+        self._beat_at = -math.inf  # when the heartbeat thread last beat (monotonic)
+        self._located = ""  # the store's life in which this participant wrote where it runs
         self._renew_main = False  # the heartbeat thread found the store restarted: renew the run loop's
         self._beats = 0
         self._joining = False  # in `join` (the heartbeat thread reads no summary meanwhile)
@@ -1235,19 +1256,37 @@ class Rendezvous:
         return base.clone()  # type: ignore[attr-defined]
 
     def _enter(self) -> None:
-        """Before a join: beat, learn the store's life (or name it), say where this participant runs."""
-        self._retry(lambda: self._link.ops.add(hb_key(self.participant), 1))
-        token = self._retry(lambda: self._link.ops.compare_set(EPOCH, "", secrets.token_hex(8))).decode()
-        if self._epoch and token != self._epoch:
-            self._reseed(self._link.ops, token)
-        self._epoch = token
-        if self._space:  # before this participant's first join event: peers look it up once they see one
+        """Before a join: beat, learn the store's life (or name it), say where this participant runs.
+
+        Each only when needed (a regroup's herd of members, at 512, waited behind these operations): no
+        beat when the heartbeat thread beat within a period (a joiner is vouched for by its join event
+        anyway; a newcomer's first beat makes its counter exist); no read of the store's life when this
+        connection read it already (a restarted store breaks the connection, and every new one reads it:
+        `_reconnected`); where it runs once per store life (`_reseed` writes it again)."""
+        if not (
+            self._thread is not None
+            and self._store_down_since is None
+            and time.monotonic() - self._beat_at < self.period
+        ):
+            self._retry(lambda: self._link.ops.add(hb_key(self.participant), 1))
+        if not (self._epoch and self._link.epoch == self._epoch):
+            link = self._link
+            token = self._retry(lambda: self._link.ops.compare_set(EPOCH, "", secrets.token_hex(8))).decode()
+            if self._epoch and token != self._epoch:
+                self._reseed(self._link.ops, token)
+            self._epoch = token
+            if link is self._link:  # (not renewed by a retry meanwhile: that one read it itself)
+                link.epoch = token
+        if self._space and self._located != self._epoch:
+            # before this participant's first join event: peers look it up once they see one
             where = f"{self._space}|{os.getpid()}"
             self._retry(lambda: self._link.ops.set(where_key(self.participant), where))
+            self._located = self._epoch
 
     def _reconnected(self, link: _Link) -> bool:
         """After `link` was renewed: did the store restart (another life)? Then re-seed it."""
         raw = link.ops.compare_set(EPOCH, "", secrets.token_hex(8)).decode()
+        link.epoch = raw
         if raw == self._epoch:
             return False
         log.warning(
@@ -1278,6 +1317,7 @@ class Rendezvous:
             ops.add(hb_key(self.participant), 1)
             if self._space:
                 ops.set(where_key(self.participant), f"{self._space}|{os.getpid()}")
+                self._located = epoch
             if g < 0:
                 return
             generation, tokens = self._evidence  # the pairs this participant reported after generation g
@@ -1524,6 +1564,7 @@ class Rendezvous:
     def _beat_once(self, ops: Ops) -> None:
         if self._making_progress(time.monotonic()) and not self._waiting:
             self._counter = ops.add(hb_key(self.participant), 1)
+            self._beat_at = time.monotonic()
         self._beats += 1
         with self._lock:
             monitor = bool(self._members) and self._members[0] == self.participant
