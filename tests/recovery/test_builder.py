@@ -33,10 +33,14 @@ def body(rank: int, world: int, port: int) -> dict[str, Any]:
     from elastic.state.shards import find_dtensor
     from sharded_model import build, digest, full, mesh_for, train
 
+    # one store for the later generations, served by this test's rank 0 throughout (ports next to
+    # `port` may be another test's: a run under load once hung on one)
+    base = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+
     def regroup(new_rank: int, generation: int) -> types.SimpleNamespace:
         if dist.is_initialized():
             dist.destroy_process_group()
-        store = dist.TCPStore("127.0.0.1", port + generation, world, new_rank == 0)
+        store = dist.PrefixStore(f"generation/{generation}/", base)
         dist.init_process_group("gloo", store=store, rank=new_rank, world_size=world)
         return types.SimpleNamespace(size=world, mesh=None, generation=generation)
 

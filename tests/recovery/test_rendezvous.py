@@ -775,6 +775,35 @@ def test_a_waiter_reads_the_decision_only_after_a_tick_and_the_leaders_beat_only
         assert seen == (["a"] if rung else [])  # the decided wake notes nothing
 
 
+def test_a_leader_waits_for_the_next_event_and_sleeps_once_a_wait_timed_out() -> None:
+    """Between its polls the leader waits for the round's next unread event (read as soon as it is
+    written); once a wait timed out it sleeps instead until its reading moves on (torch logs every store
+    wait that times out)."""
+    from rdzv_model import MemStore
+
+    class Waits(MemStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.waited: list[str] = []
+
+        def wait_for(self, key: str, seconds: float) -> bool:
+            self.waited.append(key)
+            return super().wait_for(key, seconds)
+
+    rdzv = _rendezvous("a")
+    store = Waits()
+    rdzv._link.ops = store  # type: ignore[assignment]
+    j = rendezvous.attrs.evolve(rendezvous.start("a", 0, ("a", "b")), phase="poll", read=3)
+    rendezvous.add_event(store, 1, "+a")
+    rdzv._await_event(j)  # event 4 is not written: the wait times out
+    rdzv._await_event(j)  # the same reading: it sleeps
+    assert store.waited == [rendezvous.event_key(1, 4)]
+    j = rendezvous.attrs.evolve(j, read=0)  # the reading moved on: it waits again (event 1 is there)
+    rdzv._await_event(j)
+    assert store.waited == [rendezvous.event_key(1, 4), rendezvous.event_key(1, 1)]
+    assert rdzv._quiet == (1, 3)
+
+
 def test_a_members_next_join_does_not_beat_or_read_the_stores_life_again() -> None:
     """Before a join: a member whose heartbeat thread beat within a period does not beat again, and one
     whose connection read the store's life already does not read it again (a restarted store breaks the
