@@ -197,7 +197,7 @@ def test_model_catches_evidence_lost_with_the_store(monkeypatch: pytest.MonkeyPa
 @pytest.mark.skipif(shutil.which("spin") is None or shutil.which("gcc") is None, reason="spin or gcc missing")
 def test_spin_model_has_no_errors(tmp_path: Path) -> None:
     """docs/rendezvous.pml, every scenario of its default run (crashes, a stall, the store restarted
-    empty, a pair that cannot connect, newcomers, spares): about 2.3 M states, a few seconds, 320 MB."""
+    empty, a pair that cannot connect, newcomers, spares): about 1.4 M states, a few seconds, 200 MB."""
     model = tmp_path / "rendezvous.pml"
     shutil.copy(ROOT / "docs" / "rendezvous.pml", model)
     subprocess.run(["spin", "-a", model.name], cwd=tmp_path, check=True, capture_output=True, timeout=60)
