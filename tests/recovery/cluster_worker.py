@@ -37,7 +37,8 @@ class Toy:
 def main() -> None:
     rdzv, out, timeout = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     host = os.environ["ELASTIC_TEST_HOST"]
-    logging.basicConfig(level=logging.INFO, format=f"[{host}] %(message)s", stream=sys.stderr)
+    level = logging.DEBUG if os.environ.get("ELASTIC_TEST_DEBUG") else logging.INFO
+    logging.basicConfig(level=level, format=f"[{host}] %(relativeCreated)d %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
     lines = (out / f"{host}.jsonl").open("a", buffering=1)
 

@@ -576,6 +576,64 @@ def test_expired_is_judged_at_the_heartbeat_threads_readings_not_now() -> None:
     assert rdzv.expired() == ["slow"]
 
 
+def test_a_members_limit_grows_with_the_stalls_of_its_heartbeat_and_shrinks_back() -> None:
+    # 3 % packet loss: a lost segment holds a beat 0.2 s (TCP's minimum retransmission timeout), two in a
+    # row 0.6 s; with a fixed expiry of 0.6 s the second ended a healthy generation every minute or so
+    rdzv = rendezvous.Rendezvous(
+        torch.distributed.HashStore(), "unit", "me", timeout=timedelta(seconds=5), join_timeout=timedelta(5)
+    )
+    assert (rdzv.period, rdzv.expiry, rdzv.stale_cap) == pytest.approx((0.1, 0.6, 1.2))
+    rdzv._members = ("me", "lossy", "clean")
+    t = 1000.0
+
+    def read(t: float, counters: dict[str, int], before: float | None) -> None:
+        for p, c in counters.items():
+            rdzv._note(p, c, t, before)
+        rdzv._observed_at = t
+
+    # a clean network: both counters change at every reading (a period apart): no jitter
+    for k in range(10):
+        read(t + 0.1 * k, {"lossy": k, "clean": k}, t + 0.1 * (k - 1) if k else None)
+    t += 0.9
+    assert rdzv.limit("lossy", t) == rdzv.limit("clean", t) == rdzv.expiry
+    # one stall of "lossy": its counter stood still 0.4 s, read every 0.1 s: 0.3 s more than a reading
+    for k in range(1, 4):
+        read(t + 0.1 * k, {"lossy": 9, "clean": 9 + k}, t + 0.1 * (k - 1))
+    t += 0.4
+    read(t, {"lossy": 10, "clean": 13}, t - 0.1)
+    assert rdzv.limit("lossy", t) == pytest.approx(rdzv.expiry + rendezvous.JITTER * 0.3)
+    assert rdzv.limit("clean", t) == rdzv.expiry
+    # both stand still 0.8 s at a reading: the clean one is gone, the lossy one waits for a retransmission
+    read(t + 0.8, {"lossy": 10, "clean": 13}, t + 0.7)
+    assert rdzv.expired() == ["clean"]
+    # the watch's bound (`stale_cap`) stays what it was for everybody
+    assert rdzv.expired(rdzv.stale_cap) == []
+    read(t + 1.3, {"lossy": 10, "clean": 13}, t + 1.2)
+    assert rdzv.expired(rdzv.stale_cap) == ["lossy", "clean"]
+    # the monitor reads again when the lossy member's longer limit runs out, not at its expiry
+    rdzv._members, kept = ("me", "lossy"), dict(rdzv._jitter)
+    now = time.monotonic()
+    rdzv._seen["lossy"] = rendezvous._Seen(11, now - 0.55)  # its expiry is 0.05 s away
+    rdzv._jitter = {}
+    assert rdzv._beat_wait() < 0.06  # with no stall seen: just after its expiry
+    rdzv._jitter = {"lossy": (0.3, now)}  # a 0.3 s stall seen just now: its limit is 0.5 s away
+    assert rdzv._beat_wait() == pytest.approx(rdzv.period)
+    rdzv._jitter = kept
+    # the stall's weight halves every JITTER_HALF_LIFE seconds
+    later = t + rendezvous.JITTER_HALF_LIFE
+    assert rdzv.limit("lossy", later) == pytest.approx(rdzv.expiry + rendezvous.JITTER * 0.15)
+    # never beyond the cap; an absence longer than the cap is no jitter (the member was judged gone)
+    rdzv._jitter["lossy"] = (5.0, t)
+    assert rdzv.limit("lossy", t) == rdzv.stale_cap
+    del rdzv._jitter["lossy"]
+    rdzv._note("lossy", 11, t, None)
+    rdzv._note("lossy", 12, t + 2.0, t + 1.9)
+    assert rdzv.limit("lossy", t + 2.0) == rdzv.expiry
+    # readings outside a training generation (a round's leader reading missing members) teach nothing
+    rdzv._note("lossy", 13, t + 2.5, None)
+    assert "lossy" not in rdzv._jitter
+
+
 # --------------------------------------------------------------------------- decisions, events, restarts
 
 

@@ -117,6 +117,13 @@ FOLLOW_EVERY = 2
 RECONNECT = 0.25
 #: how often a round's leader rings while it judges (the others wait for its ticks with `store.wait`)
 TICK = 0.5
+#: A training generation's member is judged gone when its counter stood still for its own limit: `expiry`
+#: plus JITTER times the longest recent excess of a gap between two changes of its counter over the
+#: observer's reading interval (a lossy network's TCP retransmissions hold a beat 0.2 s for a lost
+#: segment, 0.6 s for two in a row), at most `stale_cap`. On a clean network the excess is about 0.
+JITTER = 1.5
+#: Seconds in which an excess's weight in that limit halves.
+JITTER_HALF_LIFE = 20.0
 
 
 def summary_key(g: int) -> str:
@@ -938,6 +945,9 @@ class Rendezvous:
         self._beat_link: _Link | None = None
         self._lock = threading.Lock()
         self._seen: dict[str, _Seen] = {}
+        #: per participant: the longest recent excess of a gap between two changes of its counter over the
+        #: reading interval, and when (kept across generations: the network a member beats through stays)
+        self._jitter: dict[str, tuple[float, float]] = {}
         self._known: set[str] = set()  # participants whose counter exists in this store's life
         self._observed_at: float | None = None  # the last successful read of the heartbeat counters
         #: the monitor's last summary: member -> seconds its counter had not changed (past `expiry`)
@@ -1162,8 +1172,8 @@ class Rendezvous:
 
     def expired(self, within: float | None = None) -> list[str]:
         """The other members of the current generation that are gone as last seen: their process exited
-        (same host), or their counter had not changed for `within` seconds (default `expiry`) when it was
-        last read (by the monitor, or by this participant for the monitor itself). Reads no store. Judged
+        (same host), or their counter had not changed for `within` seconds (default: its `limit`) when it
+        was last read (by the monitor, or by this participant for the monitor itself). Reads no store. Judged
         at the reads, not now: a participant whose own heartbeat thread was held up (the GIL, an
         unreachable store) sees nobody expire until it reads again, so it never blames its peers for its
         own stall."""
@@ -1181,7 +1191,9 @@ class Rendezvous:
                 out.append(p)
             elif self.participant == monitor or p == monitor:
                 last = seen.get(p)
-                if last is not None and observed is not None and observed - last.changed > limit:
+                if last is None or observed is None:
+                    continue
+                if observed - last.changed > max(limit, self.limit(p, observed)):
                     out.append(p)
             elif ages.get(p, 0.0) > limit:
                 out.append(p)
@@ -1374,6 +1386,41 @@ class Rendezvous:
                 exc,
             )
 
+    @property
+    def stale_cap(self) -> float:
+        """The longest a training generation's member's heartbeat may stand still: twice `expiry`, at least
+        1 s (what `run`'s watch allows once ``fn`` runs).
+
+        Returns:
+            Seconds.
+        """
+        return max(2 * self.expiry, 1.0)
+
+    def limit(self, p: str, now: float | None = None) -> float:
+        """How long p's heartbeat may stand still in a training generation before p is judged gone:
+        `expiry` plus `JITTER` times p's recent jitter (the longest excess of a gap between two changes of
+        its counter over the reading interval, its weight halving every `JITTER_HALF_LIFE` seconds), at
+        most `stale_cap`. On a clean network that is `expiry`; through lost packets, whose
+        retransmissions hold a beat 0.2 s (0.6 s for two in a row), about 0.9 s up to `stale_cap`, so that a
+        member whose beat waited for two retransmissions does not end the generation.
+
+        Args:
+            p: a participant id.
+            now: the time (``time.monotonic()``) at which to judge; default now.
+
+        Returns:
+            Seconds.
+        """
+        return min(self.stale_cap, self.expiry + JITTER * self._recent(p, now))
+
+    def _recent(self, p: str, now: float | None = None) -> float:
+        jitter = self._jitter.get(p)
+        if jitter is None:
+            return 0.0
+        excess, at = jitter
+        now = time.monotonic() if now is None else now
+        return excess * 0.5 ** (max(0.0, now - at) / JITTER_HALF_LIFE)
+
     def _fresh(self, p: str, now: float, within: float) -> bool:
         """p's counter changed within `within` seconds (a participant never seen yet counts as fresh), and
         p's process has not exited (known at once for a participant of this process space)."""
@@ -1396,8 +1443,9 @@ class Rendezvous:
             space, _, pid = raw.decode().rpartition("|")
             self._pids[p] = int(pid) if space == self._space and pid.isdigit() else None
 
-    def _observe(self, store: dist.Store | Ops, names: Iterable[str]) -> None:
-        """Read the heartbeat counters of `names` (one multi_get) and note when each last changed."""
+    def _observe(self, store: dist.Store | Ops, names: Iterable[str], learn: bool = False) -> None:
+        """Read the heartbeat counters of `names` (one multi_get) and note when each last changed (`learn`:
+        members of the training generation, beating every period: their gaps count toward `limit`)."""
         names = list(names)
         if not names:
             return
@@ -1414,15 +1462,24 @@ class Rendezvous:
                 values[p] = raw
         now = time.monotonic()
         with self._lock:
-            self._observed_at = now
+            before, self._observed_at = self._observed_at, now
             for p in names:
                 raw = values.get(p)
-                self._note(p, int(raw.decode() or 0) if raw is not None else -1, now)
+                counter = int(raw.decode() or 0) if raw is not None else -1
+                self._note(p, counter, now, before if learn else None)
 
-    def _note(self, p: str, counter: int, now: float) -> None:
+    def _note(self, p: str, counter: int, now: float, before: float | None = None) -> None:
+        """p's counter read at `now`; `before`: this reader's previous reading, of a training generation
+        whose members beat every period: how much longer than it p's counter stood still is jitter."""
         seen = self._seen.get(p)
         if seen is None or seen.counter != counter:
             self._seen[p] = _Seen(counter, now)
+            if before is not None and seen is not None and seen.counter >= 0 and counter >= 0:
+                gap = now - seen.changed
+                excess = gap - (now - before)
+                # a longer absence is no jitter: the member was judged gone at the cap (or waited outside)
+                if excess > 0 and gap <= self.stale_cap and excess > self._recent(p, now):
+                    self._jitter[p] = (excess, now)
 
     def _proposer(self, view: _View) -> Propose:
         def propose(n: int, prev: tuple[str, ...], events: Log, orphan: bool) -> tuple[str, ...] | None:
@@ -1545,18 +1602,20 @@ class Rendezvous:
 
     def _beat_wait(self) -> float:
         """Seconds until the next beat: a period, or less for the monitor when a member's counter is about to
-        have stood still for `expiry`: it reads the counters again just after, so that a dead member is
-        flagged at its expiry rather than up to a period later (0.05 s on average with a 0.1 s period)."""
+        have stood still for its `limit`: it reads the counters again just after, so that a dead member is
+        flagged at its limit rather than up to a period later (0.05 s on average with a 0.1 s period)."""
+        now = time.monotonic()
         with self._lock:
             members = self._members
             if not members or members[0] != self.participant:
                 return self.period
             soonest = min(
-                (s.changed for p in members[1:] if (s := self._seen.get(p)) is not None), default=None
+                (s.changed + self.limit(p, now) for p in members[1:] if (s := self._seen.get(p)) is not None),
+                default=None,
             )
         if soonest is None:
             return self.period
-        left = soonest + self.expiry - time.monotonic() + 0.005
+        left = soonest - now + 0.005
         return min(self.period, left) if left > 0 else self.period
 
     def _beat_loop(self) -> None:
@@ -1616,7 +1675,7 @@ class Rendezvous:
 
     def _monitor(self, ops: Ops, g: int, members: tuple[str, ...], write: bool) -> bool:
         others = [p for p in members if p != self.participant]
-        self._observe(ops, others)
+        self._observe(ops, others, learn=True)
         c = self._cursor if self._cursor.round == g + 1 else _Cursor(round=g + 1)
         new, read, holes, blocked = read_events(ops, g + 1, c.read, c.holes, c.blocked)
         tokens = (*c.tokens, *new)
@@ -1629,13 +1688,21 @@ class Rendezvous:
             ages = {
                 p: observed - s.changed
                 for p in others
-                if (s := self._seen.get(p)) is not None and observed - s.changed > self.expiry
+                if (s := self._seen.get(p)) is not None and observed - s.changed > self.limit(p, observed)
             }
         # a member that joined the next round is not judged by its heartbeat: it waits there, not beating
         joined = set(events.joined)
         dead = [p for p in others if p not in joined and (p in ages or p in self.exited())]
         for p in dead:
             if (g + 1, p) not in self._reported and p not in events.suspected:
+                if p in ages:
+                    log.debug(
+                        "rendezvous: %s flags %s: its counter stood still %.2f s (its limit %.2f s)",
+                        self.participant,
+                        p,
+                        ages[p],
+                        self.limit(p, observed),
+                    )
                 add_event(ops, g + 1, f"?{p}")
                 self._reported.add((g + 1, p))
         pending = decided or bool(dead) or pending_from(events, members, self.max_workers, self.fit)
@@ -1651,14 +1718,17 @@ class Rendezvous:
             # no summary yet: the monitor has not started on this generation (its join may return last of
             # all, a regroup's herd later): judge it by its own heartbeat counter meanwhile, the value
             # the summary carries, or a slow start would look like a dead monitor
-            self._observe(ops, [monitor])
+            self._observe(ops, [monitor], learn=True)
+            raw_before = None
+        else:
+            raw_before = self._observed_at
         now = time.monotonic()
         pending = False
         ages: dict[str, float] = {}
         with self._lock:
             if raw is not None:
                 counter, flag, listed = raw.decode().split(";")
-                self._note(monitor, int(counter or 0), now)
+                self._note(monitor, int(counter or 0), now, raw_before)
                 pending = flag == "1"
                 for item in listed.split("|") if listed else ():
                     p, _, ms = item.rpartition(":")
@@ -1666,7 +1736,7 @@ class Rendezvous:
             self._observed_at = now
             self._ages = ages
         self._locate(ops, [monitor])
-        if not self._fresh(monitor, now, self.expiry):
+        if not self._fresh(monitor, now, self.limit(monitor, now)):
             if (g + 1, monitor) not in self._reported:
                 add_event(ops, g + 1, f"?{monitor}")
                 self._reported.add((g + 1, monitor))
