@@ -578,11 +578,12 @@ def test_expired_is_judged_at_the_heartbeat_threads_readings_not_now() -> None:
 
 def test_a_members_limit_grows_with_the_stalls_of_its_heartbeat_and_shrinks_back() -> None:
     # 3 % packet loss: a lost segment holds a beat 0.2 s (TCP's minimum retransmission timeout), two in a
-    # row 0.6 s; with a fixed expiry of 0.6 s the second ended a healthy generation every minute or so
+    # row 0.6 s, three 1.4 s; with a fixed expiry of 0.6 s those ended a healthy generation
     rdzv = rendezvous.Rendezvous(
         torch.distributed.HashStore(), "unit", "me", timeout=timedelta(seconds=5), join_timeout=timedelta(5)
     )
-    assert (rdzv.period, rdzv.expiry, rdzv.stale_cap) == pytest.approx((0.1, 0.6, 1.2))
+    assert (rdzv.period, rdzv.expiry, rdzv.stale_cap) == pytest.approx((0.1, 0.6, 2.4))
+    watch = max(2 * rdzv.expiry, 1.0)  # what run's watch asks for once fn runs
     rdzv._members = ("me", "lossy", "clean")
     t = 1000.0
 
@@ -606,17 +607,22 @@ def test_a_members_limit_grows_with_the_stalls_of_its_heartbeat_and_shrinks_back
     # both stand still 0.8 s at a reading: the clean one is gone, the lossy one waits for a retransmission
     read(t + 0.8, {"lossy": 10, "clean": 13}, t + 0.7)
     assert rdzv.expired() == ["clean"]
-    # the watch's bound (`stale_cap`) stays what it was for everybody
-    assert rdzv.expired(rdzv.stale_cap) == []
+    assert rdzv.expired(watch) == []  # the watch's bound, 1.2 s, is not reached by either
     read(t + 1.3, {"lossy": 10, "clean": 13}, t + 1.2)
-    assert rdzv.expired(rdzv.stale_cap) == ["lossy", "clean"]
+    assert rdzv.expired(watch) == ["lossy", "clean"]  # lossy's limit is 1.2 s too
+    # a longer stall seen (0.6 s more than a reading): the watch waits for lossy's limit, 1.8 s
+    rdzv._jitter["lossy"] = (0.6, t)
+    assert rdzv.expired(watch) == ["clean"]
+    read(t + 1.9, {"lossy": 10, "clean": 13}, t + 1.8)
+    assert rdzv.expired(watch) == ["lossy", "clean"]
+    rdzv._jitter["lossy"] = (0.3, t)
     # the monitor reads again when the lossy member's longer limit runs out, not at its expiry
     rdzv._members, kept = ("me", "lossy"), dict(rdzv._jitter)
     now = time.monotonic()
     rdzv._seen["lossy"] = rendezvous._Seen(11, now - 0.55)  # its expiry is 0.05 s away
     rdzv._jitter = {}
     assert rdzv._beat_wait() < 0.06  # with no stall seen: just after its expiry
-    rdzv._jitter = {"lossy": (0.3, now)}  # a 0.3 s stall seen just now: its limit is 0.5 s away
+    rdzv._jitter = {"lossy": (0.3, now)}  # a 0.3 s stall seen just now: its limit is 0.65 s away
     assert rdzv._beat_wait() == pytest.approx(rdzv.period)
     rdzv._jitter = kept
     # the stall's weight halves every JITTER_HALF_LIFE seconds
@@ -627,10 +633,10 @@ def test_a_members_limit_grows_with_the_stalls_of_its_heartbeat_and_shrinks_back
     assert rdzv.limit("lossy", t) == rdzv.stale_cap
     del rdzv._jitter["lossy"]
     rdzv._note("lossy", 11, t, None)
-    rdzv._note("lossy", 12, t + 2.0, t + 1.9)
-    assert rdzv.limit("lossy", t + 2.0) == rdzv.expiry
+    rdzv._note("lossy", 12, t + 3.0, t + 2.9)
+    assert rdzv.limit("lossy", t + 3.0) == rdzv.expiry
     # readings outside a training generation (a round's leader reading missing members) teach nothing
-    rdzv._note("lossy", 13, t + 2.5, None)
+    rdzv._note("lossy", 13, t + 3.5, None)
     assert "lossy" not in rdzv._jitter
 
 

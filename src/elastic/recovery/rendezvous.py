@@ -120,10 +120,12 @@ TICK = 0.5
 #: A training generation's member is judged gone when its counter stood still for its own limit: `expiry`
 #: plus JITTER times the longest recent excess of a gap between two changes of its counter over the
 #: observer's reading interval (a lossy network's TCP retransmissions hold a beat 0.2 s for a lost
-#: segment, 0.6 s for two in a row), at most `stale_cap`. On a clean network the excess is about 0.
-JITTER = 1.5
-#: Seconds in which an excess's weight in that limit halves.
-JITTER_HALF_LIFE = 20.0
+#: segment, 0.6 s for two in a row, 1.4 s for three), at most `stale_cap`. On a clean network the excess
+#: is about 0.
+JITTER = 2.0
+#: Seconds in which an excess's weight in that limit halves (with 3 % loss, two retransmissions in a row
+#: hold a member's beat about once a minute).
+JITTER_HALF_LIFE = 60.0
 
 
 def summary_key(g: int) -> str:
@@ -1388,21 +1390,22 @@ class Rendezvous:
 
     @property
     def stale_cap(self) -> float:
-        """The longest a training generation's member's heartbeat may stand still: twice `expiry`, at least
-        1 s (what `run`'s watch allows once ``fn`` runs).
+        """The longest a training generation's member's heartbeat may stand still, through the lossiest
+        network: 4 expiries, at least 2 s (`run`'s watch allows 2 expiries, at least 1 s, or a member's
+        `limit` when that is longer).
 
         Returns:
             Seconds.
         """
-        return max(2 * self.expiry, 1.0)
+        return max(4 * self.expiry, 2.0)
 
     def limit(self, p: str, now: float | None = None) -> float:
         """How long p's heartbeat may stand still in a training generation before p is judged gone:
         `expiry` plus `JITTER` times p's recent jitter (the longest excess of a gap between two changes of
         its counter over the reading interval, its weight halving every `JITTER_HALF_LIFE` seconds), at
         most `stale_cap`. On a clean network that is `expiry`; through lost packets, whose
-        retransmissions hold a beat 0.2 s (0.6 s for two in a row), about 0.9 s up to `stale_cap`, so that a
-        member whose beat waited for two retransmissions does not end the generation.
+        retransmissions hold a beat 0.2 s (0.6 s for two in a row, 1.4 s for three), about 1.2-1.8 s, so
+        that a member whose beat waited for retransmissions does not end the generation.
 
         Args:
             p: a participant id.

@@ -676,7 +676,8 @@ class _Watch(threading.Thread):
     A collective waiting for a dead, cut-off or hung peer otherwise waits for the group's timeout: gloo
     blocks in its pairs (and its ``abort()`` does not unblock them, pytorch#130345), NCCL in a CUDA
     kernel. Every `PERIOD` this thread asks the rendezvous which members' heartbeats have not changed for
-    `stale_after` (twice the rendezvous's expiry, at least 1 s, once ``fn`` runs; longer while the
+    `stale_after` (twice the rendezvous's expiry, at least 1 s, once ``fn`` runs, or the member's own
+    `Rendezvous.limit` when longer: a lossy network's retransmissions hold a beat; longer while the
     generation starts: a live peer's heartbeat thread can miss half a second while its main thread holds
     the GIL; `expired`: no store read, the heartbeat thread's
     last reading) and, at the first such member, writes the generation's verdict (regroup: every rank's
