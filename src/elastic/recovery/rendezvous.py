@@ -952,7 +952,7 @@ class Rendezvous:
         self._jitter: dict[str, tuple[float, float]] = {}
         self._known: set[str] = set()  # participants whose counter exists in this store's life
         self._observed_at: float | None = None  # the last successful read of the heartbeat counters
-        #: the monitor's last summary: member -> seconds its counter had not changed (past `expiry`)
+        #: the monitor's last summary: member -> seconds its counter had not changed (past its `limit`)
         self._ages: dict[str, float] = {}
         self._cursor = _Cursor()
         self._reported: set[tuple[int, str]] = set()  # (round, p): `?p` written
